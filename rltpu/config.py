@@ -1,0 +1,324 @@
+"""One validated config tree for a whole RL job.
+
+Loaded from YAML, overridden by dotted ``key=value`` pairs from the command line, frozen after
+validation. Each component receives only its own section (the sampler gets ``cfg.sampler``...).
+Every problem is raised as :class:`ConfigError` with one line naming the key, the bad value and
+what is allowed; the CLI turns it into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A user error in the config or the command line: one line, names the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
+
+
+class ClusterConfig(_Section):
+    """Which chips exist. On a CPU machine they are emulated Ray ``TPU`` resources."""
+
+    generation: Literal["v4", "v5e", "v5p", "v6e", "7x"] = "v5e"
+    topology: str = "2x2"  # chips per slice as AxB (2D: v5e/v6e) or AxBxC (3D: v4/v5p/7x)
+    slices: int = Field(1, ge=1)
+    emulated: bool | None = None  # None: emulate when no real TPU is found on this host
+    address: str | None = None  # join an existing Ray cluster ("auto" or host:port)
+    ray_temp_dir: str | None = None  # default: <run_dir>/../.ray-tmp (kept short for socket paths)
+    bind_host: str = "127.0.0.1"
+
+    @field_validator("topology")
+    @classmethod
+    def _topology(cls, v: str) -> str:
+        if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", v):
+            raise ValueError(f"must look like 2x4 or 2x2x1, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _dims(self) -> "ClusterConfig":
+        ndim = len(self.topology.split("x"))
+        want = 2 if self.generation in ("v5e", "v6e") else 3
+        if ndim != want:
+            raise ValueError(
+                f"topology {self.topology!r} has {ndim} dims but {self.generation} slices are {want}D "
+                f"(e.g. {'2x4' if want == 2 else '2x2x1'})"
+            )
+        return self
+
+
+class PlacementConfig(_Section):
+    """How many chips each role gets; one actor (one process) per ``chips_per_*`` chips."""
+
+    sampler_chips: int = Field(2, ge=1)
+    trainer_chips: int = Field(2, ge=1)
+    chips_per_sampler: Literal[1, 2, 4, 8] = 1
+    chips_per_trainer: Literal[1, 2, 4, 8] = 1
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "PlacementConfig":
+        for role in ("sampler", "trainer"):
+            chips, per = getattr(self, f"{role}_chips"), getattr(self, f"chips_per_{role}")
+            if chips % per:
+                raise ValueError(f"{role}_chips={chips} is not a multiple of chips_per_{role}={per}")
+        return self
+
+
+class ModelConfig(_Section):
+    """A Llama-style decoder; names and shapes follow Hugging Face ``LlamaConfig``."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(256, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    max_position_embeddings: int = Field(256, ge=8)
+    tie_word_embeddings: bool = False
+    vocab_size: int | None = None  # None: taken from the tokenizer
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError("head_dim (hidden_size / num_attention_heads) must be even for RoPE")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class TaskConfig(_Section):
+    """The prompt source and the reward. Built-in synthetic tasks need no download."""
+
+    name: Literal["copy", "reverse", "sort"] = "copy"
+    min_digits: int = Field(3, ge=1)
+    max_digits: int = Field(5, ge=1)
+    reward_fn: str = "rltpu.rewards:partial_credit"  # any importable ``module:function``
+    num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
+
+    @model_validator(mode="after")
+    def _range(self) -> "TaskConfig":
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits={self.min_digits} > max_digits={self.max_digits}")
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
+            raise ValueError(f"reward_fn must be 'module:function', got {self.reward_fn!r}")
+        return self
+
+
+class SamplerConfig(_Section):
+    """The compiled JAX generation engine: sampling knobs and the static shape grid."""
+
+    group_size: int = Field(8, ge=2)  # G completions per prompt (GRPO needs >= 2)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, ge=1)
+    batch_buckets: tuple[int, ...] = (16, 32, 64)  # rows (prompts x G) per compiled program
+    prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
+    precompile: bool = True  # compile every bucket at actor start
+
+    @field_validator("batch_buckets", "prompt_buckets")
+    @classmethod
+    def _sorted(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(b < 1 for b in v) or list(v) != sorted(set(v)):
+            raise ValueError(f"must be a non-empty strictly increasing list of positive ints, got {list(v)}")
+        return v
+
+
+class TrainerConfig(_Section):
+    """GRPO on the FSDP2-wrapped policy."""
+
+    steps: int = Field(60, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)  # > 0 keeps a frozen reference copy of the initial policy
+    ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
+    scale_rewards: bool = True  # divide advantages by the group std (GRPO); False = Dr.GRPO style
+
+
+class SyncConfig(_Section):
+    """Trainer -> sampler weight broadcast over a torch.distributed (gloo on CPU) group."""
+
+    bucket_mb: float = Field(16.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class BackendConfig(_Section):
+    """Device, threads and matmul precision, applied in every actor by ``rltpu.backend``."""
+
+    device: Literal["auto", "tpu", "cuda", "cpu"] = "auto"
+    matmul_precision: Literal["medium", "high", "highest"] = "highest"
+    threads: int = Field(1, ge=1)  # torch/XLA intra-op threads per actor (Ray sets OMP to 1)
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(0, ge=0)  # 0: only the final (and Ctrl-C) checkpoint
+
+
+class RunConfig(_Section):
+    """The whole job."""
+
+    name: str = "rltpu"
+    run_dir: str | None = None  # default: runs/<name>
+    seed: int = 0
+    cluster: ClusterConfig = ClusterConfig()
+    placement: PlacementConfig = PlacementConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    sync: SyncConfig = SyncConfig()
+    backend: BackendConfig = BackendConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        rows = self.trainer.prompts_per_step * self.sampler.group_size
+        n_samplers = self.placement.sampler_chips // self.placement.chips_per_sampler
+        n_trainers = self.placement.trainer_chips // self.placement.chips_per_trainer
+        if self.trainer.prompts_per_step % n_samplers:
+            raise ValueError(
+                f"trainer.prompts_per_step={self.trainer.prompts_per_step} must be divisible by the "
+                f"{n_samplers} sampler actors"
+            )
+        if rows % n_trainers:
+            raise ValueError(f"rows per step ({rows}) must be divisible by the {n_trainers} trainer actors")
+        per_sampler = rows // n_samplers
+        if per_sampler > max(self.sampler.batch_buckets):
+            raise ValueError(
+                f"each sampler gets {per_sampler} rows per step but the largest sampler.batch_buckets "
+                f"entry is {max(self.sampler.batch_buckets)}; add a bucket >= {per_sampler}"
+            )
+        return self
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(self.model_dump_json())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and one-line errors
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "<root>"
+    kind = e["type"]
+    value = e.get("input")
+    if kind == "extra_forbidden":
+        return f"unknown config key '{key}' (check the spelling; see configs/quickstart.yaml for the keys)"
+    msg = e["msg"].removeprefix("Value error, ")
+    shown = repr(value) if not isinstance(value, dict) else "{...}"
+    if kind == "literal_error":
+        return f"config key '{key}' has bad value {shown}: {msg}"
+    if kind.startswith("missing"):
+        return f"config key '{key}' is required"
+    return f"config key '{key}' has bad value {shown}: {msg}"
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value with YAML rules (``3e-6`` -> float, ``[1,2]`` -> list, ``x`` -> str)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML 1.1 reads "3e-6" as a string; numbers in scientific notation are what users mean
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (new keys are caught by the schema)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. trainer.lr=3e-6)")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override key {key!r} is malformed (e.g. trainer.lr=3e-6)")
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{key}': '{p}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def _coerce_yaml_floats(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _coerce_yaml_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_coerce_yaml_floats(v) for v in node]
+    if isinstance(node, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", node):
+        return float(node)
+    return node
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(_coerce_yaml_floats(data))
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist (try configs/quickstart.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file '{p}' is not valid YAML{where}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    apply_overrides(data, list(overrides or []))
+    return build_config(data)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
