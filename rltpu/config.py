@@ -169,6 +169,7 @@ class SyncConfig(_Section):
 
     bucket_mb: float = Field(16.0, gt=0)
     timeout_s: float = Field(120.0, gt=0)
+    verify_every: int = Field(10, ge=0)  # compare sampler vs trainer logits on a probe every N syncs (0: never)
 
 
 class BackendConfig(_Section):

@@ -1,0 +1,73 @@
+"""One trainer rank: owns its chips, runs one FSDP2 shard of the policy, sends weights."""
+
+from __future__ import annotations
+
+from rltpu.runtime import ProcessRuntime, free_port, ray_identity
+
+
+class TrainerActor:
+    def __init__(self, rank: int, cfg_dict: dict):
+        from rltpu.config import RunConfig
+
+        self.cfg = RunConfig.model_validate(cfg_dict)
+        self.rt = ProcessRuntime("trainer", rank, self.cfg.cluster.generation, self.cfg.backend)
+        self.engine = None
+
+    def identity(self) -> dict:
+        return ray_identity()
+
+    def claim(self, chips, identity, emulated):
+        return self.rt.claim(chips, identity, emulated)
+
+    def rendezvous(self) -> tuple[str, int]:
+        ip = self.rt.identity.get("node_ip", "127.0.0.1")
+        return ip, free_port(ip)
+
+    def init_process_groups(self, *args) -> None:
+        self.rt.init_process_groups(*args)
+
+    def build(self, vocab_size: int) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from learner.trainer import TrainerEngine
+
+        mesh = DeviceMesh.from_group(self.rt.trainer_group, "cpu" if self.rt.backend_info["device"] == "cpu" else self.rt.backend_info["device"])
+        self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
+                                    self.cfg.sampler.temperature, mesh=mesh)
+
+    def train_step(self, batch: dict) -> dict:
+        return self.engine.train_step(batch)
+
+    def push_weights(self, spec, version: int) -> dict | None:
+        from rltpu.weight_sync import send_weights
+
+        state = self.engine.full_state_dict()  # collective over all trainer ranks
+        if self.rt.rank != 0:
+            return None
+        return send_weights(state, spec, version, int(self.cfg.sync.bucket_mb * 2**20), self.rt.sync_group)
+
+    def probe_logits(self, tokens, position_ids, attention_mask):
+        return self.engine.probe_logits(tokens, position_ids, attention_mask)
+
+    def save_checkpoint(self, path: str, meta: dict) -> str | None:
+        """Collective over trainer ranks; rank 0 writes safetensors + JSON atomically."""
+        from learner.checkpoint import save_checkpoint
+
+        state = self.engine.checkpoint_state(rank0_only=True)
+        if state is None:
+            return None
+        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"])
+        return str(save_checkpoint(path, state["model"], state["optimizer"], meta))
+
+    def load_checkpoint(self, path: str) -> dict:
+        from learner.checkpoint import load_checkpoint
+
+        model_sd, optim_sd, meta = load_checkpoint(path)
+        self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"))
+        return meta
+
+    def report(self) -> dict:
+        return self.rt.report()
+
+    def shutdown(self) -> None:
+        self.rt.shutdown()

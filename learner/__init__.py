@@ -1,0 +1,1 @@
+"""Training side: losses, FSDP2 wrapping, optimizer, checkpoints and the trainer engine."""

@@ -1,0 +1,99 @@
+"""Checkpoints as safetensors + JSON (never pickle), written atomically.
+
+Layout of ``<run_dir>/checkpoint/``:
+    model.safetensors        policy weights in Hugging Face names
+    optimizer.safetensors    AdamW state, keys ``state.<param>.<exp_avg|exp_avg_sq|step>``
+    trainer_state.json       step, weight version, data cursor, RNG, optimizer param groups,
+                             scheduler, sha256 of each file
+A checkpoint is written to ``checkpoint.tmp``, fsynced, then renamed over the old one (the old
+one is kept as ``checkpoint.prev`` until the rename is done), so a crash at any point leaves a
+complete checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _flatten_optimizer(optim_sd: dict) -> tuple[dict[str, torch.Tensor], list]:
+    tensors = {}
+    for pname, state in optim_sd["state"].items():
+        for key, value in state.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            tensors[f"state.{pname}.{key}"] = t.detach().cpu().contiguous()
+    return tensors, optim_sd["param_groups"]
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], param_groups: list) -> dict:
+    state: dict = {}
+    for key, value in tensors.items():
+        _, rest = key.split(".", 1)
+        pname, field = rest.rsplit(".", 1)
+        state.setdefault(pname, {})[field] = value
+    return {"state": state, "param_groups": param_groups}
+
+
+def save_checkpoint(directory: Path, model_sd: dict, optim_sd: dict, meta: dict) -> Path:
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    prev = directory.with_name(directory.name + ".prev")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, tmp / "model.safetensors")
+    opt_tensors, groups = _flatten_optimizer(optim_sd)
+    save_file(opt_tensors, tmp / "optimizer.safetensors")
+    files = {name: _sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
+    state = dict(meta, optimizer_param_groups=groups, sha256=files)
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if directory.exists():
+        shutil.rmtree(prev, ignore_errors=True)
+        directory.rename(prev)
+    tmp.rename(directory)
+    _fsync_dir(directory.parent)
+    shutil.rmtree(prev, ignore_errors=True)
+    return directory
+
+
+def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
+    """Returns ``(model_sd, optim_sd, meta)``; verifies checksums; falls back to ``.prev``."""
+    directory = Path(directory)
+    if not (directory / "trainer_state.json").exists():
+        prev = directory.with_name(directory.name + ".prev")
+        if (prev / "trainer_state.json").exists():
+            directory = prev
+        else:
+            raise FileNotFoundError(f"no checkpoint at {directory} (expected trainer_state.json)")
+    meta = json.loads((directory / "trainer_state.json").read_text())
+    for name, digest in meta.get("sha256", {}).items():
+        if _sha256(directory / name) != digest:
+            raise ValueError(f"checkpoint file {directory / name} is corrupt (sha256 mismatch)")
+    model_sd = load_file(directory / "model.safetensors")
+    optim_sd = _unflatten_optimizer(load_file(directory / "optimizer.safetensors"), meta.pop("optimizer_param_groups"))
+    return model_sd, optim_sd, meta

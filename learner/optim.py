@@ -1,0 +1,14 @@
+"""AdamW with linear warm-up then constant LR (what short RL runs use)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False
+    )
+    warmup = max(cfg.warmup_steps, 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+    return opt, sched

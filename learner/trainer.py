@@ -1,0 +1,132 @@
+"""The trainer engine: one rank of the FSDP2 policy, a GRPO update per call.
+
+Testable without Ray: give it a process group (or none for a single process). The Ray actor in
+``actors/trainer_actor.py`` only forwards to it.
+
+One ``train_step`` reads straight down: forward -> token logprobs -> GRPO loss -> backward ->
+clip -> AdamW step. The batch arrives already split by rank; ``global_tokens`` (the loss-token
+count over all ranks) makes the per-rank losses add up to one token-mean, and the ``world``
+factor undoes FSDP's gradient averaging across ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.fsdp import full_state_dict, parallelize_llama
+from learner.losses import grpo_loss, token_logprobs
+from learner.optim import build_optimizer
+from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
+
+
+class TrainerEngine:
+    def __init__(self, model_cfg, trainer_cfg, vocab_size: int, seed: int, temperature: float = 1.0,
+                 mesh=None, device: str = "cpu"):
+        self.cfg, self.temperature, self.mesh, self.device = trainer_cfg, temperature, mesh, device
+        self.world = mesh.size() if mesh is not None else 1
+        self.step = 0
+        state = init_state_dict(model_cfg, vocab_size, seed)  # identical on every rank (same seed)
+        self.model = self._build(model_cfg, vocab_size, state)
+        self.ref_model = None
+        if trainer_cfg.kl_coef > 0:
+            self.ref_model = self._build(model_cfg, vocab_size, state)
+            self.ref_model.requires_grad_(False)
+        self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
+
+    def _build(self, model_cfg, vocab_size, state):
+        model = LlamaForCausalLM(model_cfg, vocab_size)
+        model.load_state_dict(state)
+        model.to(self.device)
+        if self.mesh is not None:
+            parallelize_llama(model, self.mesh)
+        return model
+
+    # -- the update -------------------------------------------------------------------------
+    def _tensors(self, batch: dict) -> dict:
+        return {k: torch.as_tensor(np.asarray(v), device=self.device) for k, v in batch.items() if k != "global_tokens"}
+
+    def _policy_logp(self, model, b: dict) -> torch.Tensor:
+        logits = model(b["tokens"], b["position_ids"], b["attention_mask"])  # (B, L, V)
+        return token_logprobs(logits[:, :-1], b["tokens"][:, 1:], self.temperature)  # (B, L-1)
+
+    def loss(self, batch: dict):
+        b = self._tensors(batch)
+        logp = self._policy_logp(self.model, b)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = self._policy_logp(self.ref_model, b)
+        out = grpo_loss(
+            logp, b["old_logprobs"][:, 1:], b["advantages"], b["loss_mask"][:, 1:], self.cfg.clip_eps,
+            normalizer=float(batch["global_tokens"]) / self.world, ref_logp=ref, kl_coef=self.cfg.kl_coef,
+        )
+        gap = ((logp.detach() - b["old_logprobs"][:, 1:]).abs() * b["loss_mask"][:, 1:]).sum()
+        return out, float(gap)
+
+    def train_step(self, batch: dict) -> dict:
+        t0 = time.perf_counter()
+        stats = {"pg_sum": 0.0, "kl_sum": 0.0, "clipped": 0.0, "tokens": 0.0, "logp_gap_sum": 0.0}
+        for _ in range(self.cfg.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            out, gap = self.loss(batch)
+            out.loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+        for k, v in (("pg_sum", out.pg_sum), ("kl_sum", out.kl_sum), ("clipped", out.clipped),
+                     ("tokens", out.tokens), ("logp_gap_sum", gap)):
+            stats[k] = v
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.step += 1
+        stats.update(grad_norm=float(norm), lr=self.scheduler.get_last_lr()[0], seconds=time.perf_counter() - t0)
+        return stats
+
+    def grads(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Full (unsharded) gradients of the loss on ``batch``; for FSDP-vs-single-process checks."""
+        self.optimizer.zero_grad(set_to_none=True)
+        out, _ = self.loss(batch)
+        out.loss.backward()
+        grads = {}
+        for name, p in self.model.named_parameters():
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    # -- weights out --------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+    @torch.no_grad()
+    def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:
+        t = lambda x: torch.as_tensor(np.asarray(x), device=self.device)  # noqa: E731
+        return self.model(t(tokens), t(position_ids), t(attention_mask)).float().cpu().numpy()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_state(self, rank0_only: bool = True) -> dict | None:
+        """Full model + optimizer state (collective over the trainer ranks; rank 0 gets it)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=self.mesh is not None)
+        model_sd = get_model_state_dict(self.model, options=opts)
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if rank0_only and self.mesh is not None and self.mesh.get_local_rank() != 0:
+            return None
+        return {"model": model_sd, "optimizer": optim_sd, "step": self.step,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, step: int, scheduler: dict | None = None) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_sd, options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+        if scheduler:
+            self.scheduler.load_state_dict(scheduler)
+        self.step = step

@@ -1,0 +1,258 @@
+"""The GRPO job: place chip-owning actor groups, then loop sample -> reward -> train -> sync.
+
+    rltpu train configs/quickstart.yaml
+
+One step (``Controller.step``), on-policy:
+  1. the next ``prompts_per_step`` prompts are split over the sampler actors, each draws G
+     completions per prompt with its compiled JAX program (weights of version v);
+  2. rewards (``task.reward_fn``) and group-relative advantages are computed here;
+  3. the fixed-shape batch is split by rank over the FSDP2 trainer actors, which take one AdamW
+     step (version v+1);
+  4. trainer rank 0 broadcasts the new weights to every sampler over the sync process group;
+  5. one line goes to ``metrics.jsonl``.
+Every remote call below is a visible method call on a named actor handle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rltpu.cluster import start_or_join
+from rltpu.config import RunConfig, save_config
+from rltpu.data import SyntheticPromptDataset
+from rltpu.metrics import MetricsWriter
+from rltpu.rewards import load_reward_fn
+from rltpu.rollout import build_train_batch, merge_generations, score, split_by_rank, split_prompts
+from rltpu.tokenizer import CharTokenizer
+from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
+from rltpu.weight_sync import param_spec
+
+
+def _actor_env(cfg: RunConfig, emulated: bool) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
+    if emulated:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False):
+        self.cfg, self.address, self.resume = cfg, address or cfg.cluster.address, resume
+        self.run_dir = cfg.resolved_run_dir
+        self.table = ChipTable.build(cfg.cluster)
+        self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
+        self.tokenizer = CharTokenizer()
+        self.vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        self.reward_fn = load_reward_fn(cfg.task.reward_fn)
+        self.data = SyntheticPromptDataset.from_config(cfg.task, cfg.seed)
+        self.spec = param_spec(cfg.model, self.vocab)
+        self.samplers, self.trainers, self.reports = [], [], []
+        self.version, self.step_idx = 0, 0
+        self.cluster_info: dict = {}
+        self._ray = None
+        self._phase = "idle"
+
+    # -- start-up ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        needed = self.cfg.placement.sampler_chips + self.cfg.placement.trainer_chips
+        self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, self.address)
+        import ray
+
+        self._ray = ray
+        emulated = self.table.emulated if self.cluster_info["mode"] == "embedded" else bool(self.cfg.cluster.emulated)
+        self.emulated = emulated
+        self.trainers = self._spawn(Role.TRAINER, "actors.trainer_actor", "TrainerActor")
+        self.samplers = self._spawn(Role.SAMPLER, "actors.sampler_actor", "SamplerActor")
+        self._claim_chips()
+        n_t, n_s = len(self.trainers), len(self.samplers)
+        master, port = ray.get(self.trainers[0].rendezvous.remote())
+        args = lambda r: (master, port, n_t + n_s, r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
+        ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(self.trainers + self.samplers)])
+        builds = [t.build.remote(self.vocab) for t in self.trainers]
+        compiles = [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec)
+                    for s in self.samplers]
+        ray.get(builds)
+        self.compile_log = ray.get(compiles)
+        if self.resume:
+            self._load_checkpoint()
+        self._sync(self.version)
+        self._write_placement()
+
+    def _spawn(self, role: Role, module: str, cls_name: str) -> list:
+        import importlib
+
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = getattr(importlib.import_module(module), cls_name)
+        groups = self.roles[role]
+        bundles = [{"TPU": len(chips)} for chips in groups]
+        pg = placement_group(bundles, strategy="PACK", name=f"rltpu-{role.value}")
+        self._ray.get(pg.ready(), timeout=120)
+        remote = self._ray.remote(cls)
+        actors = []
+        for rank, chips in enumerate(groups):
+            actors.append(remote.options(
+                name=f"rltpu-{role.value}-{rank}-{os.getpid()}", num_cpus=0, resources={"TPU": len(chips)},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": _actor_env(self.cfg, self.emulated)},
+            ).remote(rank, self.cfg.to_dict()))
+        return actors
+
+    def _chips_for(self, ident: dict) -> list:
+        """Map Ray's assignment (node, TPU ids) to chip-table entries."""
+        labels = next((n.get("Labels", {}) for n in self._ray.nodes() if n["NodeID"] == ident["node_id"]), {})
+        host = int(labels.get("ray.io/tpu-worker-id", 0))
+        slice_name = labels.get("ray.io/tpu-slice-name")
+        sl = next((s for s in range(self.cfg.cluster.slices) if self.table.slice_name(s) == slice_name), 0)
+        on_host = {c.index: c for c in self.table.chips_on(sl, host)}
+        missing = [i for i in ident["ray_tpu_ids"] if i not in on_host]
+        if missing:
+            raise RuntimeError(f"Ray assigned TPU ids {missing} that the chip table has no entry for on host {host}")
+        return [on_host[i] for i in ident["ray_tpu_ids"]]
+
+    def _claim_chips(self) -> None:
+        ray = self._ray
+        actors = self.trainers + self.samplers
+        idents = ray.get([a.identity.remote() for a in actors])
+        self.reports = ray.get([a.claim.remote(self._chips_for(i), i, self.emulated) for a, i in zip(actors, idents)])
+        check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
+
+    def _write_placement(self) -> None:
+        info = {
+            "cluster": self.cluster_info, "emulated": self.emulated, "pod_type": self.table.pod_type,
+            "chips": self.table.to_rows(), "actors": self.reports, "compile_log": self.compile_log,
+        }
+        (self.run_dir / "placement.json").write_text(json.dumps(info, indent=1, default=str))
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> dict:
+        ray, cfg = self._ray, self.cfg
+        G = cfg.sampler.group_size
+        t_step = time.perf_counter()
+        self._phase = "sample"
+        examples = self.data.next_batch(cfg.trainer.prompts_per_step)
+        prompt_ids = [self.tokenizer.encode(e["prompt"]) for e in examples]
+        shards = split_prompts(prompt_ids, len(self.samplers))
+        seed = cfg.seed * 1_000_003 + self.step_idx * 131
+        t0 = time.perf_counter()
+        outs = ray.get([s.generate.remote(sh, G, seed + r) for r, (s, sh) in enumerate(zip(self.samplers, shards))])
+        sample_s = time.perf_counter() - t0
+        gen = merge_generations(outs, self.tokenizer.pad_id)
+        rewards, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
+        batch = build_train_batch(gen, rewards, G, cfg.trainer.scale_rewards)
+        t1 = time.perf_counter()
+        parts = split_by_rank(batch, len(self.trainers))
+        refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
+        self._phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
+        stats = ray.get(refs)
+        train_s = time.perf_counter() - t1
+        self.version += 1
+        self._phase = "sync"
+        sync = self._sync(self.version)
+        probe = self._probe() if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0 else None
+        tokens = sum(s["tokens"] for s in stats)
+        padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
+        return {
+            "step": self.step_idx, "weight_version": self.version,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "loss": sum(s["pg_sum"] for s in stats) / max(tokens, 1),
+            "kl": sum(s["kl_sum"] for s in stats) / max(tokens, 1),
+            "clip_frac": sum(s["clipped"] for s in stats) / max(tokens, 1),
+            "logp_gap": sum(s["logp_gap_sum"] for s in stats) / max(tokens, 1),
+            "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
+            "response_len": float(gen["lengths"].mean()),
+            "sample_s": sample_s, "train_s": train_s, "sync_s": sync["seconds"],
+            "step_s": time.perf_counter() - t_step,
+            "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(sample_s, 1e-9),
+            "compiles": sum(o["compiles"] for o in outs), "padding_frac": padded / max(total, 1),
+            "sync_bytes": sync["bytes"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
+            "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
+        }
+
+    def _sync(self, version: int) -> dict:
+        t0 = time.perf_counter()
+        refs = [t.push_weights.remote(self.spec, version) for t in self.trainers]
+        refs += [s.receive_weights.remote(version) for s in self.samplers]
+        out = self._ray.get(refs)
+        sent = out[0]
+        return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"], "buckets": sent["buckets"]}
+
+    def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A fixed probe: a few task prompts plus answers, right-padded."""
+        rows = [self.tokenizer.encode(e["prompt"] + e["answer"]) for e in
+                (SyntheticPromptDataset.from_config(self.cfg.task, 12345).next_batch(4))]
+        L = max(map(len, rows))
+        tokens = np.zeros((len(rows), L), np.int64)
+        mask = np.zeros((len(rows), L), np.int64)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)], mask[i, :len(r)] = r, 1
+        pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+        return tokens, pos, mask
+
+    def _probe(self) -> float:
+        """Max |logit diff| between trainer and every sampler on the probe (catches sync bugs)."""
+        probe = self.probe_batch()
+        t_logits = self._ray.get([t.probe_logits.remote(*probe) for t in self.trainers])[0]
+        s_logits = self._ray.get([s.probe_logits.remote(*probe) for s in self.samplers])
+        mask = probe[2].astype(bool)
+        return float(max(np.abs(s[mask] - t_logits[mask]).max() for s in s_logits))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, data_state: dict | None = None) -> str:
+        meta = {"step": self.step_idx, "weight_version": self.version,
+                "data": data_state or self.data.state_dict(), "seed": self.cfg.seed, "config": self.cfg.to_dict()}
+        path = str(self.run_dir / "checkpoint")
+        return self._ray.get([t.save_checkpoint.remote(path, meta) for t in self.trainers])[0]
+
+    def _load_checkpoint(self) -> None:
+        path = str(self.run_dir / "checkpoint")
+        meta = self._ray.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
+        self.step_idx, self.version = int(meta["step"]), int(meta["weight_version"])
+        self.data.load_state_dict(meta["data"])
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", cfg.trainer.steps - self.step_idx, cfg.progress)
+        records, data_before = [], self.data.state_dict()
+        try:
+            while self.step_idx < cfg.trainer.steps:
+                data_before, self._phase = self.data.state_dict(), "idle"
+                rec = self.step()
+                self._phase = "idle"
+                records.append(rec)
+                writer.write(rec)
+                if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
+                    self.save_checkpoint()
+            self.save_checkpoint()
+        except KeyboardInterrupt:
+            # checkpoint what the trainer really holds: if the interrupted step never reached the
+            # trainer, its prompts go back to the data cursor so a resume samples them again
+            writer.close()
+            print(f"\nrltpu: interrupted at step {self.step_idx}; saving checkpoint", flush=True)
+            try:
+                self.save_checkpoint(data_before if self._phase == "sample" else self.data.state_dict())
+            except Exception as err:  # noqa: BLE001 - report and keep the previous checkpoint
+                print(f"rltpu: could not write the final checkpoint ({err}); the previous one is kept")
+            raise
+        writer.close()
+        return records
+
+    def shutdown(self) -> None:
+        if self._ray is None or not self._ray.is_initialized():
+            return
+        for a in self.trainers + self.samplers:
+            try:
+                self._ray.get(a.shutdown.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort; the actor is killed next
+                pass
+            self._ray.kill(a)
+        self._ray.shutdown()

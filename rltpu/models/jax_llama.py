@@ -1,0 +1,176 @@
+"""The sampler's copy of the Llama decoder: pure JAX functions over the trainer's state dict.
+
+``params`` is ``dict[str, jax.Array]`` keyed by the Hugging Face names with torch ``[out, in]``
+layout kept (we compute ``x @ W.T``), so weight sync is a rename-free copy. ``forward`` mirrors
+``rltpu.models.torch_llama`` op for op (fp32 norms, RoPE angles, scores and softmax);
+``forward_with_cache`` is the same math over a static-shape KV cache for a jitted sampler.
+``cfg`` is a frozen (hashable) ``ModelConfig``: pass it as a static argument under ``jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rltpu.config import ModelConfig
+
+Params = Mapping[str, jax.Array]
+_F32 = jnp.float32
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def params_from_torch(state_dict: Mapping[str, Any], dtype: Any = None) -> dict[str, jax.Array]:
+    """torch state dict -> JAX params (same keys, same layout), via host numpy.
+
+    bf16 tensors are moved bit-for-bit (numpy has no bf16, so through a uint16 view).
+    ``dtype`` optionally casts every array (e.g. ``jnp.bfloat16``).
+    """
+    import torch
+
+    out: dict[str, jax.Array] = {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype == torch.bfloat16:
+            arr = t.view(torch.uint16).numpy().view(jnp.bfloat16)
+        else:
+            arr = t.numpy()
+        a = jnp.asarray(arr)
+        out[name] = a.astype(dtype) if dtype is not None else a
+    return out
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in].T -> [..., out] (torch Linear layout)."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) * w, reduced in fp32, result in x's dtype times w."""
+    xf = x.astype(_F32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles in fp32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=_F32) / head_dim))
+    freqs = positions.astype(_F32)[:, :, None] * inv_freq[None, None, :]  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, hd]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, hd]; cos/sin [B, T, hd]."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """GQA. q [B, T, nh, hd]; k, v [B, S, nkv, hd]; allowed [B, T, S] -> [B, T, nh*hd]."""
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    rep = nh // nkv
+    q = q.reshape(B, T, nkv, rep, hd)  # q head h = g*rep + r uses kv head g (= torch repeat_interleave)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", q.astype(_F32), k.astype(_F32)) * hd**-0.5  # [B, nkv, rep, T, S]
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(_F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)  # [B, T, nkv, rep, hd]
+    return out.reshape(B, T, nh * hd)
+
+
+def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Projected q [B, T, nh, hd] and k, v [B, T, nkv, hd] for layer i, RoPE applied to q and k."""
+    p = f"model.layers.{i}.self_attn."
+    B, T, _ = h.shape
+    hd = cfg.head_dim
+    q = _linear(h, params[p + "q_proj.weight"]).reshape(B, T, cfg.num_attention_heads, hd)
+    k = _linear(h, params[p + "k_proj.weight"]).reshape(B, T, cfg.num_key_value_heads, hd)
+    v = _linear(h, params[p + "v_proj.weight"]).reshape(B, T, cfg.num_key_value_heads, hd)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Array:
+    p = f"model.layers.{i}."
+    h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate = _linear(h, params[p + "mlp.gate_proj.weight"])
+    up = _linear(h, params[p + "mlp.up_proj.weight"])
+    return x + _linear(jax.nn.silu(gate) * up, params[p + "mlp.down_proj.weight"])
+
+
+def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    x = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
+    w = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return _linear(x, w).astype(_F32)
+
+
+def forward(
+    params: Params, cfg: ModelConfig, input_ids: jax.Array, position_ids: jax.Array, attention_mask: jax.Array
+) -> jax.Array:
+    """[B, T] ids/positions/mask (1 real, 0 pad) -> fp32 logits [B, T, V]; no cache."""
+    T = input_ids.shape[1]
+    x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
+    cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+    idx = jnp.arange(T)
+    causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
+    allowed = (causal[None] & attention_mask.astype(bool)[:, None, :]) | jnp.eye(T, dtype=bool)[None]  # [B, T, T]
+    for i in range(cfg.num_hidden_layers):
+        h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
+        q, k, v = _qkv(params, cfg, i, h, cos, sin)
+        x = x + _linear(_attend(q, k, v, allowed), params[f"model.layers.{i}.self_attn.o_proj.weight"])
+        x = _mlp_block(params, cfg, i, x)
+    return _logits(params, cfg, x)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, jax.Array]:
+    """Zeroed KV cache: ``k``/``v`` [L, B, S, n_kv_heads, head_dim] (dtype defaults to cfg.dtype)."""
+    dtype = _DTYPES[cfg.dtype] if dtype is None else dtype
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward_with_cache(
+    params: Params,
+    cfg: ModelConfig,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    cache: dict[str, jax.Array],
+    cache_index: jax.Array | int,
+    kv_mask: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Run T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
+
+    The new tokens' K (after RoPE) and V go to slots ``cache_index .. cache_index+T-1``; the
+    query in slot ``cache_index+t`` sees slots ``s <= cache_index+t`` with ``kv_mask[b, s]``
+    (plus its own slot, so pad queries stay finite). Shapes are static; ``cache_index`` may be
+    traced. Slots must not run past S (``dynamic_update_slice`` would clamp the start).
+    """
+    T = input_ids.shape[1]
+    S = cache["k"].shape[2]
+    ci = jnp.asarray(cache_index, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    q_slot = ci + jnp.arange(T, dtype=jnp.int32)  # [T]
+    s = jnp.arange(S, dtype=jnp.int32)
+    allowed = (s[None, :] <= q_slot[:, None])[None] & kv_mask.astype(bool)[:, None, :]  # [B, T, S]
+    allowed = allowed | (s[None, :] == q_slot[:, None])[None]
+    ck, cv = cache["k"], cache["v"]
+    for i in range(cfg.num_hidden_layers):
+        h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
+        q, k, v = _qkv(params, cfg, i, h, cos, sin)  # k, v [B, T, nkv, hd]
+        start = (jnp.int32(i), zero, ci, zero, zero)
+        ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], start)  # [L, B, S, nkv, hd]
+        cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], start)
+        att = _attend(q, ck[i].astype(x.dtype), cv[i].astype(x.dtype), allowed)
+        x = x + _linear(att, params[f"model.layers.{i}.self_attn.o_proj.weight"])
+        x = _mlp_block(params, cfg, i, x)
+    return _logits(params, cfg, x), {"k": ck, "v": cv}
+

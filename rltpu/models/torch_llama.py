@@ -1,0 +1,190 @@
+"""The trainer's policy: a Llama decoder in plain torch with Hugging Face parameter names.
+
+Kept free of caches and fused kernels so FSDP2 can wrap each ``LlamaDecoderLayer`` and the
+numbers match ``rltpu.models.jax_llama`` (the sampler) to fp32 rounding. Norms, RoPE angles
+and the softmax run in fp32 whatever the parameter dtype; logits are returned as fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rltpu.config import ModelConfig
+from rltpu.models import param_shapes, resolve_vocab_size
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w, reduced in fp32 (HF ``LlamaRMSNorm``)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, hd]; cos/sin [B, T, hd]."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: causal AND key is real, OR the diagonal (so pad rows stay finite)."""
+    T = attention_mask.shape[1]
+    idx = torch.arange(T, device=attention_mask.device)
+    causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
+    allowed = causal[None] & attention_mask.bool()[:, None, :]  # [B, T, T]
+    allowed = allowed | torch.eye(T, dtype=torch.bool, device=attention_mask.device)[None]
+    return allowed[:, None]
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention; scores and softmax in fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.n_kv, hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.n_kv, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]; q head h uses kv head h // rep
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * hd**-0.5  # [B, nh, T, T]
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [B, nh, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * hd))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block; the unit FSDP2 shards (``fully_shard`` per layer)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # definition order = HF state-dict order (self_attn, mlp, input_ln, post_attention_ln)
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM with HF names; ``lm_head`` exists only when embeddings are untied."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = resolve_vocab_size(cfg, vocab_size)
+        self.model = LlamaModel(cfg, self.vocab_size)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_size, bias=False)
+        self.to(_DTYPES[cfg.dtype])
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Reset every parameter to ``init_state_dict(cfg, V, seed)`` (same values as the sampler's)."""
+        sd = init_state_dict(self.cfg, self.vocab_size, seed)
+        for name, p in self.named_parameters():
+            p.copy_(sd[name].to(device=p.device, dtype=p.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids/position_ids/attention_mask [B, T] (mask: 1 real, 0 pad) -> fp32 logits [B, T, V]."""
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        allowed = attention_allowed(attention_mask)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, allowed)
+        x = self.model.norm(x)
+        return F.linear(x, self.output_weight()).float()
+
+
+def init_state_dict(cfg: ModelConfig, vocab_size: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic initial weights on CPU: N(0, init_std) for matrices, ones for norms.
+
+    Drawn in fp32 from one generator in ``param_shapes`` order, then cast to ``cfg.dtype``,
+    so fp32 and bf16 runs with the same seed start from the same (rounded) values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in param_shapes(cfg, vocab_size).items():
+        if len(shape) == 1:
+            t = torch.ones(shape)
+        else:
+            t = torch.empty(shape).normal_(0.0, cfg.init_std, generator=gen)
+        out[name] = t.to(_DTYPES[cfg.dtype])
+    return out

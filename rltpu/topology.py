@@ -1,0 +1,396 @@
+"""TPU chips and their placement, as plain data.
+
+Everything here is pure Python (no Ray, no JAX, no torch) so the planner, the CLI's dry run and
+the tests can reason about chips without a cluster. Facts come from
+``/work/shared/context/tpu-hardware.md`` (Cloud TPU docs per generation, Ray's
+``python/ray/_private/accelerators/tpu.py``, xpk ``system_characteristics.py``, pytorch/xla
+PRs #4724 and #9586); each fact below names its source tag from that file.
+
+Layout conventions (ours, chosen to match Ray's host blocks; not checked on hardware):
+
+* ``coords`` follow the order of the topology string (``"4x4"`` -> ``(d0, d1)``).
+* A multi-host slice is cut into host blocks of 2x2 (2D) or 2x2x1 (3D) chips; hosts are numbered
+  with dim 0 varying fastest, then dim 1, then dim 2.
+* Inside a host, chip ``index`` (what ``TPU_VISIBLE_CHIPS`` names) also counts dim 0 fastest, so
+  chips {0,1} and {2,3} are ICI neighbours and {0..3} is a 2x2 block.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass
+from enum import Enum
+from itertools import product
+from typing import Any
+
+from rltpu.config import ClusterConfig, ConfigError, PlacementConfig
+
+
+class Role(str, Enum):
+    SAMPLER = "sampler"
+    TRAINER = "trainer"
+
+
+class ChipConflictError(RuntimeError):
+    """Two processes claim one chip (or share a process): libtpu allows one process per chip."""
+
+
+@dataclass(frozen=True)
+class GenerationFacts:
+    tensorcores_per_chip: int
+    jax_devices_per_chip: int  # megacore (v4/v5p) fuses 2 TCs into 1 device; 7x exposes 2 [PAL]
+    type_prefix: str  # GCE accelerator-type prefix: <prefix>-<N>
+    pod_counts: str  # what N in <prefix>-<N> counts: "chips" or "tensorcores"
+    ray_accelerator_type: str  # Ray's "accelerator_type:<this>" node resource
+    single_host_max_chips: int  # slices up to this many chips are one host holding all of them
+    host_block: tuple[int, ...]  # chips per host in multi-host slices, as a block of the topology
+
+
+# Sources: [v4] [v5e] [v5p] [v6e] [7x] [TT] [XPK] [RAY] [PAL] in /work/shared/context/tpu-hardware.md.
+# v5e/v6e: 1 TC/chip, type v5litepod-N / v6e-N with N = chips; 1x1, 2x2, 2x4 are single-host VMs
+#   (up to 8 chips), multi-host slices use 4-chip VMs (2x2 blocks) [v5e][v6e][XPK][RAY].
+# v4/v5p/7x: 2 TC/chip, type v4-N / v5p-N / tpu7x-N with N = TensorCores (2x2x1 = v4-8), 4 chips per
+#   VM as a 2x2x1 block [TT][v5p][XPK][RAY][7x]. Ray names the accelerator TPU-<GEN upper>, with tpu7x
+#   normalised to v7x [RAY].
+GENERATION_FACTS: dict[str, GenerationFacts] = {
+    "v4": GenerationFacts(2, 1, "v4", "tensorcores", "TPU-V4", 4, (2, 2, 1)),
+    "v5e": GenerationFacts(1, 1, "v5litepod", "chips", "TPU-V5LITEPOD", 8, (2, 2)),
+    "v5p": GenerationFacts(2, 1, "v5p", "tensorcores", "TPU-V5P", 4, (2, 2, 1)),
+    "v6e": GenerationFacts(1, 1, "v6e", "chips", "TPU-V6E", 8, (2, 2)),
+    "7x": GenerationFacts(2, 2, "tpu7x", "tensorcores", "TPU-V7X", 4, (2, 2, 1)),
+}
+
+# TPU_CHIPS_PER_PROCESS_BOUNDS for one process owning n chips of a host (Ray/skye gist: 1 -> 1,1,1,
+# 2 -> 1,2,1; pytorch/xla: a full 4-chip host is 2,2,1; a full 8-chip v5e/v6e host is 2,4,1).
+_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+DEFAULT_MESH_PORT = 8476  # libtpu's default mesh controller port (skye gist, pytorch/xla #4724)
+
+
+@dataclass(frozen=True)
+class Chip:
+    global_id: int  # unique across all slices
+    slice: int
+    host: int  # worker id inside the slice (ray.io/tpu-worker-id)
+    index: int  # chip index on its host, as TPU_VISIBLE_CHIPS names it
+    coords: tuple[int, ...]  # position in the slice's topology
+
+
+def local_tpu_present() -> bool:
+    """True when this host exposes TPU chips (/dev/accel* or a Google vfio device), as Ray checks."""
+    if glob.glob("/dev/accel[0-9]*"):
+        return True
+    for group in glob.glob("/dev/vfio/[0-9]*"):
+        n = os.path.basename(group)
+        for vendor in glob.glob(f"/sys/kernel/iommu_groups/{n}/devices/*/vendor"):
+            try:
+                if open(vendor).read().strip().lower() == "0x1ae0":  # Google's PCI vendor id [RAY]
+                    return True
+            except OSError:
+                pass
+    return False
+
+
+class ChipTable:
+    """Every chip of the cluster, ordered by (slice, host, index); ``global_id`` is the position."""
+
+    def __init__(self, cluster: ClusterConfig, chips: list[Chip], emulated: bool):
+        self.cluster = cluster
+        self.generation = cluster.generation
+        self.topology = cluster.topology
+        self.num_slices = cluster.slices
+        self.facts = GENERATION_FACTS[cluster.generation]
+        self.emulated = emulated
+        self._chips = chips
+        self._by_host: dict[tuple[int, int], list[Chip]] = {}
+        for c in chips:
+            self._by_host.setdefault((c.slice, c.host), []).append(c)
+
+    @classmethod
+    def build(cls, cluster: ClusterConfig, emulated: bool | None = None) -> "ChipTable":
+        """Lay out ``cluster.slices`` copies of ``cluster.topology`` as hosts and chips.
+
+        ``emulated`` defaults to ``cluster.emulated``, and when that is None to "no TPU device on
+        this machine". Raises ConfigError when a multi-host topology cannot be cut into host blocks.
+        """
+        if emulated is None:
+            emulated = cluster.emulated if cluster.emulated is not None else not local_tpu_present()
+        facts = GENERATION_FACTS[cluster.generation]
+        dims = tuple(int(d) for d in cluster.topology.split("x"))
+        per_slice = math.prod(dims)
+        if per_slice <= facts.single_host_max_chips:
+            block = dims  # one host holds the whole slice
+        else:
+            block = facts.host_block
+            if any(d % b for d, b in zip(dims, block)):
+                raise ConfigError(
+                    f"cluster.topology={cluster.topology!r} has {per_slice} chips, so it spans several "
+                    f"{cluster.generation} hosts of {'x'.join(map(str, block))} chips, but its dims are not "
+                    f"multiples of that block; use e.g. {'4x4' if len(dims) == 2 else '2x2x2'}"
+                )
+        nblocks = [d // b for d, b in zip(dims, block)]
+
+        def _linear(pos: tuple[int, ...], extent: list[int] | tuple[int, ...]) -> int:
+            out, stride = 0, 1
+            for p, e in zip(pos, extent):  # dim 0 varies fastest
+                out += p * stride
+                stride *= e
+            return out
+
+        chips: list[Chip] = []
+        for s in range(cluster.slices):
+            local = []
+            # product() varies the last dim fastest; reverse so dim 0 is fastest, then sort anyway
+            for rev in product(*(range(d) for d in reversed(dims))):
+                coords = tuple(reversed(rev))
+                host = _linear(tuple(c // b for c, b in zip(coords, block)), nblocks)
+                index = _linear(tuple(c % b for c, b in zip(coords, block)), block)
+                local.append((host, index, coords))
+            for host, index, coords in sorted(local):
+                chips.append(Chip(len(chips), s, host, index, coords))
+        return cls(cluster, chips, bool(emulated))
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def chips(self) -> list[Chip]:
+        return list(self._chips)
+
+    @property
+    def num_chips(self) -> int:
+        return len(self._chips)
+
+    @property
+    def chips_per_slice(self) -> int:
+        return self.num_chips // self.num_slices
+
+    @property
+    def chips_per_host(self) -> int:
+        return max(len(v) for v in self._by_host.values())
+
+    def hosts(self) -> list[tuple[int, int]]:
+        """All (slice, host) pairs in order."""
+        return list(self._by_host)
+
+    def chips_on(self, slice: int, host: int) -> list[Chip]:
+        try:
+            return list(self._by_host[(slice, host)])
+        except KeyError:
+            raise KeyError(f"no host {host} in slice {slice} (have {self.hosts()})") from None
+
+    @property
+    def pod_type(self) -> str:
+        """GCE accelerator type of one slice: v5litepod-4, v4-8 (2x2x1: N counts TensorCores), tpu7x-8."""
+        n = self.chips_per_slice
+        if self.facts.pod_counts == "tensorcores":
+            n *= self.facts.tensorcores_per_chip
+        return f"{self.facts.type_prefix}-{n}"
+
+    @property
+    def ray_pod_type(self) -> str:
+        """The pod type as Ray reports it: Ray rewrites a leading ``tpu`` to ``v`` (tpu7x-8 -> v7x-8)."""
+        pt = self.pod_type
+        return "v" + pt[len("tpu"):] if pt.startswith("tpu") else pt
+
+    def slice_name(self, slice: int) -> str:
+        """Name of a slice (Ray's TPU_NAME / ray.io/tpu-slice-name). Real clusters read it from Ray."""
+        if not 0 <= slice < self.num_slices:
+            raise IndexError(f"slice {slice} out of range (cluster has {self.num_slices})")
+        return f"rltpu-{'emu-' if self.emulated else ''}slice-{slice}"
+
+    def describe(self) -> str:
+        s = self.num_slices
+        return f"{self.generation} {self.topology} x {s} slice{'s' if s != 1 else ''}"
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One flat dict per chip, for reports and logs."""
+        return [
+            {
+                "global_id": c.global_id,
+                "slice": c.slice,
+                "slice_name": self.slice_name(c.slice),
+                "host": c.host,
+                "index": c.index,
+                "coords": ",".join(map(str, c.coords)),
+                "pod_type": self.pod_type,
+                "emulated": self.emulated,
+            }
+            for c in self._chips
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"ChipTable({self.describe()}, {self.num_chips} chips on {len(self._by_host)} hosts, "
+            f"pod_type={self.pod_type}, emulated={self.emulated})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement
+
+
+def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, list[list[Chip]]]:
+    """Give each actor (one process) its chips: samplers first, then trainers, in host order.
+
+    An actor's chips sit on one host (a process cannot open chips of another VM) and form an
+    aligned block (start index a multiple of its size), so pairs and quads are ICI neighbours.
+    With power-of-two actor sizes this never fails when the total fits. Raises ConfigError.
+    """
+    want = placement.sampler_chips + placement.trainer_chips
+    if want > table.num_chips:
+        raise ConfigError(
+            f"placement asks for {want} chips (sampler_chips={placement.sampler_chips} + "
+            f"trainer_chips={placement.trainer_chips}) but cluster {table.describe()} has "
+            f"{table.num_chips} chips; lower placement.* or enlarge cluster.topology/slices"
+        )
+    plan = [
+        (Role.SAMPLER, placement.sampler_chips, placement.chips_per_sampler),
+        (Role.TRAINER, placement.trainer_chips, placement.chips_per_trainer),
+    ]
+    for role, _, per in plan:
+        if per > table.chips_per_host:
+            raise ConfigError(
+                f"placement.chips_per_{role.value}={per} but each host of cluster {table.describe()} has "
+                f"{table.chips_per_host} chips and one process cannot span hosts; lower "
+                f"placement.chips_per_{role.value} to <= {table.chips_per_host}"
+            )
+    free = {h: [True] * len(table.chips_on(*h)) for h in table.hosts()}
+    out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: []}
+    for role, total, per in plan:
+        for rank in range(total // per):
+            got = None
+            for h in table.hosts():
+                slots = free[h]
+                for start in range(0, len(slots) - per + 1, per):
+                    if all(slots[start : start + per]):
+                        got = (h, start)
+                        break
+                if got:
+                    break
+            if got is None:
+                raise ConfigError(
+                    f"cannot place {role.value} actor {rank} ({per} chips on one host) on cluster "
+                    f"{table.describe()} ({table.chips_per_host} chips per host) after earlier actors; "
+                    f"lower placement.chips_per_{role.value} or placement.{role.value}_chips"
+                )
+            h, start = got
+            for i in range(start, start + per):
+                free[h][i] = False
+            out[role].append(table.chips_on(*h)[start : start + per])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-process libtpu environment
+
+
+def mesh_port(chips: list[Chip], base: int = DEFAULT_MESH_PORT) -> int:
+    """A mesh-controller port unique among the processes of one host: base + lowest chip index."""
+    return base + min(c.index for c in chips)
+
+
+def libtpu_env(chips: list[Chip], generation: str, port: int) -> dict[str, str]:
+    """Env vars for one process that owns exactly ``chips`` (all on one host) and no others.
+
+    Only one process may open a chip, and libtpu by default opens every chip of the host, so each
+    process is told its chips and bounds, and gets its own mesh controller port (``port`` must
+    differ between processes on a host; see :func:`mesh_port`).
+
+    Verified on paper only (no TPU here): the values follow the skye gist / pytorch/xla #4724 /
+    #9586 and Ray's ``set_current_process_visible_accelerator_ids`` as quoted in
+    tpu-hardware.md. Unverified: the 4- and 8-chip bounds (2,2,1 / 2,4,1) for a process that owns
+    only part of an 8-chip host, the ``,2`` suffix on 7x, and whether newer libtpu still reads
+    the legacy TPU_CHIPS_PER_HOST_BOUNDS / TPU_HOST_BOUNDS (Ray still sets them for 1 or 2 chips;
+    we set them to the same values for every size so that a stale pair never contradicts).
+    """
+    if not chips:
+        raise ValueError("libtpu_env needs at least one chip")
+    hosts = {(c.slice, c.host) for c in chips}
+    if len(hosts) != 1:
+        raise ValueError(f"one process cannot own chips on several hosts: {sorted(hosts)}")
+    if generation not in GENERATION_FACTS:
+        raise ValueError(f"unknown TPU generation {generation!r} (known: {sorted(GENERATION_FACTS)})")
+    idx = sorted(c.index for c in chips)
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"duplicate chip indices {idx}")
+    if len(idx) not in _CHIP_BOUNDS:
+        raise ValueError(f"a process must own 1, 2, 4 or 8 chips (Ray and libtpu bounds), got {len(idx)}")
+    bounds = _CHIP_BOUNDS[len(idx)]
+    process_bounds = "1,1,1" + (",2" if generation == "7x" else "")  # pytorch/xla #9586
+    return {
+        "TPU_VISIBLE_CHIPS": ",".join(map(str, idx)),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
+        "TPU_PROCESS_BOUNDS": process_bounds,
+        "TPU_CHIPS_PER_HOST_BOUNDS": bounds,  # legacy names, as Ray sets them
+        "TPU_HOST_BOUNDS": "1,1,1",
+        "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{port}",
+        "TPU_MESH_CONTROLLER_PORT": str(port),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Emulated Ray nodes
+
+
+def emulated_node_spec(table: ChipTable, slice: int, host: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Ray resources and labels that a real TPU VM of this (slice, host) would advertise.
+
+    Mirrors Ray's TPUAcceleratorManager: ``TPU`` = chips on the host, ``{tpu_name: 1}`` on every
+    host, ``TPU-{pod_type}-head`` on worker 0 only, ``accelerator_type:TPU-V5LITEPOD`` style, and
+    the ray.io/tpu-* labels. Ray normalises the pod type (tpu7x-8 -> v7x-8), so we do too.
+    ``rltpu.io/emulated`` marks the node as fake so nothing mistakes it for hardware.
+    """
+    chips = table.chips_on(slice, host)
+    name = table.slice_name(slice)
+    pod = table.ray_pod_type
+    resources: dict[str, float] = {
+        "TPU": float(len(chips)),
+        name: 1.0,
+        f"accelerator_type:{table.facts.ray_accelerator_type}": 1.0,
+    }
+    if host == 0:
+        resources[f"TPU-{pod}-head"] = 1.0
+    labels = {
+        "ray.io/tpu-slice-name": name,
+        "ray.io/tpu-worker-id": str(host),
+        "ray.io/tpu-topology": table.topology,
+        "ray.io/tpu-pod-type": pod,
+        "rltpu.io/emulated": "true",
+    }
+    return resources, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime check
+
+
+def check_disjoint(reports: list[dict[str, Any]]) -> None:
+    """Fail if two actor reports claim one (node_id, chip) or share a pid.
+
+    Each report has ``group``, ``rank``, ``pid``, ``node_id`` and ``chips`` (chip indices on that
+    node, e.g. from ``get_accelerator_ids()["TPU"]``). Run after actors start: a double claim on
+    real hardware is "TPU already in use" or a silent CPU fallback (jax-ml/jax#10192, #13260).
+    """
+
+    def who(r: dict[str, Any]) -> str:
+        return f"{r['group']} rank {r['rank']} (pid {r['pid']})"
+
+    by_chip: dict[tuple[str, int], dict[str, Any]] = {}
+    by_pid: dict[tuple[str, Any], dict[str, Any]] = {}
+    for r in reports:
+        pid_key = (str(r["node_id"]), r["pid"])
+        if pid_key in by_pid:
+            raise ChipConflictError(
+                f"{who(by_pid[pid_key])} and {who(r)} run in the same process on node "
+                f"{str(r['node_id'])[:12]}; each actor must be its own process"
+            )
+        by_pid[pid_key] = r
+        for chip in r["chips"]:
+            key = (str(r["node_id"]), int(chip))
+            if key in by_chip and by_chip[key] is not r:
+                raise ChipConflictError(
+                    f"chip {int(chip)} on node {str(r['node_id'])[:12]} is claimed by both "
+                    f"{who(by_chip[key])} and {who(r)}"
+                )
+            by_chip[key] = r
