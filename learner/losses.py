@@ -52,6 +52,7 @@ class LossOut:
     kl_sum: float  # sum over tokens of the KL estimate
     clipped: float  # number of tokens whose ratio was clipped
     tokens: float  # number of loss tokens on this rank
+    entropy_sum: float = 0.0  # sum over tokens of the policy entropy
 
 
 def grpo_loss(
@@ -63,10 +64,12 @@ def grpo_loss(
     normalizer: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> LossOut:
     """Clipped surrogate, token-level mean over the whole (global) batch.
 
-    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``: (B, T) over completion tokens;
+    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy``: (B, T) over completion tokens;
     ``advantages``: (B,). ``normalizer`` is the number of loss tokens in the *global* batch, so
     ranks that see different token counts still add up to one token-mean.
     """
@@ -81,6 +84,11 @@ def grpo_loss(
     if ref_logp is not None and kl_coef > 0:
         kl = kl_k3(logp, ref_logp)
         per_token = pg + kl_coef * kl
+    ent_sum = 0.0
+    if entropy is not None:
+        ent_sum = float((entropy.detach() * mask).sum())
+        if entropy_coef > 0:  # bonus: keeps exploring while groups still disagree
+            per_token = per_token - entropy_coef * entropy
     loss = (per_token * mask).sum() / normalizer
     clipped = ((surr2 < surr1).float() * mask).sum()
     return LossOut(
@@ -89,7 +97,14 @@ def grpo_loss(
         kl_sum=float((kl * mask).sum().detach()),
         clipped=float(clipped),
         tokens=float(mask.sum()),
+        entropy_sum=ent_sum,
     )
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per position; (B, T, V) -> (B, T)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

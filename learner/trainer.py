@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from learner.fsdp import full_state_dict, parallelize_llama
-from learner.losses import grpo_loss, token_logprobs
+from learner.losses import grpo_loss, token_entropy, token_logprobs
 from learner.optim import build_optimizer
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
 
@@ -49,13 +49,14 @@ class TrainerEngine:
     def _tensors(self, batch: dict) -> dict:
         return {k: torch.as_tensor(np.asarray(v), device=self.device) for k, v in batch.items() if k != "global_tokens"}
 
-    def _policy_logp(self, model, b: dict) -> torch.Tensor:
-        logits = model(b["tokens"], b["position_ids"], b["attention_mask"])  # (B, L, V)
-        return token_logprobs(logits[:, :-1], b["tokens"][:, 1:], self.temperature)  # (B, L-1)
+    def _policy_logp(self, model, b: dict, with_entropy: bool = False):
+        logits = model(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]  # (B, L-1, V)
+        logp = token_logprobs(logits, b["tokens"][:, 1:], self.temperature)  # (B, L-1)
+        return (logp, token_entropy(logits, self.temperature)) if with_entropy else logp
 
     def loss(self, batch: dict):
         b = self._tensors(batch)
-        logp = self._policy_logp(self.model, b)
+        logp, entropy = self._policy_logp(self.model, b, with_entropy=True)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -63,23 +64,24 @@ class TrainerEngine:
         out = grpo_loss(
             logp, b["old_logprobs"][:, 1:], b["advantages"], b["loss_mask"][:, 1:], self.cfg.clip_eps,
             normalizer=float(batch["global_tokens"]) / self.world, ref_logp=ref, kl_coef=self.cfg.kl_coef,
+            entropy=entropy, entropy_coef=self.cfg.entropy_coef,
         )
         gap = ((logp.detach() - b["old_logprobs"][:, 1:]).abs() * b["loss_mask"][:, 1:]).sum()
         return out, float(gap)
 
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
-        stats = {"pg_sum": 0.0, "kl_sum": 0.0, "clipped": 0.0, "tokens": 0.0, "logp_gap_sum": 0.0}
-        for _ in range(self.cfg.ppo_epochs):
+        stats = {}
+        for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            out, gap = self.loss(batch)
+            out, gap_now = self.loss(batch)
+            gap = gap_now if epoch == 0 else gap  # sampler-vs-trainer gap, before any update
             out.loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
-        for k, v in (("pg_sum", out.pg_sum), ("kl_sum", out.kl_sum), ("clipped", out.clipped),
-                     ("tokens", out.tokens), ("logp_gap_sum", gap)):
-            stats[k] = v
+        stats.update(pg_sum=out.pg_sum, kl_sum=out.kl_sum, clipped=out.clipped, tokens=out.tokens,
+                     entropy_sum=out.entropy_sum, logp_gap_sum=gap)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.step += 1
         stats.update(grad_norm=float(norm), lr=self.scheduler.get_last_lr()[0], seconds=time.perf_counter() - t0)

@@ -65,6 +65,9 @@ class PlacementConfig(_Section):
     trainer_chips: int = Field(2, ge=1)
     chips_per_sampler: Literal[1, 2, 4, 8] = 1
     chips_per_trainer: Literal[1, 2, 4, 8] = 1
+    # optional pinning to global chip ids (chip table order); None = first free chips
+    sampler_chip_ids: tuple[int, ...] | None = None
+    trainer_chip_ids: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
     def _divisible(self) -> "PlacementConfig":
@@ -72,6 +75,18 @@ class PlacementConfig(_Section):
             chips, per = getattr(self, f"{role}_chips"), getattr(self, f"chips_per_{role}")
             if chips % per:
                 raise ValueError(f"{role}_chips={chips} is not a multiple of chips_per_{role}={per}")
+            ids = getattr(self, f"{role}_chip_ids")
+            if ids is not None:
+                if len(ids) != chips:
+                    raise ValueError(f"{role}_chip_ids lists {len(ids)} chips but {role}_chips={chips}")
+                if len(set(ids)) != len(ids):
+                    raise ValueError(f"{role}_chip_ids {list(ids)} repeats a chip")
+        both = set(self.sampler_chip_ids or ()) & set(self.trainer_chip_ids or ())
+        if both:
+            raise ValueError(
+                f"sampler_chip_ids and trainer_chip_ids both list chip {min(both)}; "
+                f"a chip belongs to exactly one process, give the roles disjoint chips"
+            )
         return self
 
 
@@ -160,6 +175,7 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     clip_eps: float = Field(0.2, gt=0)
     kl_coef: float = Field(0.0, ge=0)  # > 0 keeps a frozen reference copy of the initial policy
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus per token (exploration from random init)
     ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
     scale_rewards: bool = True  # divide advantages by the group std (GRPO); False = Dr.GRPO style
 
@@ -241,6 +257,8 @@ def _format_error(err: ValidationError) -> str:
     if kind == "extra_forbidden":
         return f"unknown config key '{key}' (check the spelling; see configs/quickstart.yaml for the keys)"
     msg = e["msg"].removeprefix("Value error, ")
+    if isinstance(value, dict) and kind == "value_error":
+        return f"config section '{key}': {msg}" if e["loc"] else f"config: {msg}"
     shown = repr(value) if not isinstance(value, dict) else "{...}"
     if kind == "literal_error":
         return f"config key '{key}' has bad value {shown}: {msg}"

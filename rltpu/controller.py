@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rltpu.cluster import start_or_join
+from rltpu.cluster import PlacementError, start_or_join
 from rltpu.config import RunConfig, save_config
 from rltpu.data import SyntheticPromptDataset
 from rltpu.metrics import MetricsWriter
@@ -55,6 +55,7 @@ class Controller:
         self.version, self.step_idx = 0, 0
         self.cluster_info: dict = {}
         self._ray = None
+        self.pg = None
         self._phase = "idle"
 
     # -- start-up ------------------------------------------------------------------------------
@@ -68,8 +69,8 @@ class Controller:
         self._ray = ray
         emulated = self.table.emulated if self.cluster_info["mode"] == "embedded" else bool(self.cfg.cluster.emulated)
         self.emulated = emulated
-        self.trainers = self._spawn(Role.TRAINER, "actors.trainer_actor", "TrainerActor")
-        self.samplers = self._spawn(Role.SAMPLER, "actors.sampler_actor", "SamplerActor")
+        self._labelled_nodes = all("ray.io/tpu-worker-id" in n.get("Labels", {}) for n in ray.nodes() if n["Alive"])
+        self._spawn_all()
         self._claim_chips()
         n_t, n_s = len(self.trainers), len(self.samplers)
         master, port = ray.get(self.trainers[0].rendezvous.remote())
@@ -85,26 +86,62 @@ class Controller:
         self._sync(self.version)
         self._write_placement()
 
-    def _spawn(self, role: Role, module: str, cls_name: str) -> list:
-        import importlib
+    def _spawn_all(self) -> None:
+        """One placement group, one bundle per actor, bundles in chip order on each host.
 
+        Ray hands a bundle's TPU ids in bundle order on a fresh node, so ordering bundles by the
+        planned chips makes Ray's assignment equal the plan; ``_claim_chips`` checks that it did.
+        Chips the plan skips are covered by idle filler bundles so the order still lines up.
+        """
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls = getattr(importlib.import_module(module), cls_name)
-        groups = self.roles[role]
-        bundles = [{"TPU": len(chips)} for chips in groups]
-        pg = placement_group(bundles, strategy="PACK", name=f"rltpu-{role.value}")
-        self._ray.get(pg.ready(), timeout=120)
-        remote = self._ray.remote(cls)
-        actors = []
-        for rank, chips in enumerate(groups):
-            actors.append(remote.options(
+        from actors.sampler_actor import SamplerActor
+        from actors.trainer_actor import TrainerActor
+
+        classes = {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor}
+        planned = sorted(((chips[0].global_id, role, rank, chips) for role in (Role.TRAINER, Role.SAMPLER)
+                          for rank, chips in enumerate(self.roles[role])), key=lambda x: x[0])
+        bundles, selectors, slots, expected = [], [], [], {}
+        for host in self.table.hosts():
+            used = [p for p in planned if (p[3][0].slice, p[3][0].host) == host]
+            if not used:
+                continue
+            last = max(c.index for p in used for c in p[3])
+            by_start = {p[3][0].index: p for p in used}
+            i = 0
+            while i <= last:
+                sel = {"ray.io/tpu-worker-id": str(host[1]), "ray.io/tpu-slice-name": self.table.slice_name(host[0])}
+                if i in by_start:
+                    _, role, rank, chips = by_start[i]
+                    slots.append((len(bundles), role, rank, chips))
+                    bundles.append({"TPU": len(chips)})
+                    i += len(chips)
+                else:  # a chip the plan leaves idle: reserve it so later bundles keep their ids
+                    bundles.append({"TPU": 1})
+                    i += 1
+                selectors.append(sel if self._labelled_nodes else {})
+        pg = placement_group(bundles, strategy="PACK", name=f"rltpu-{os.getpid()}", bundle_label_selector=selectors)
+        try:
+            self._ray.get(pg.ready(), timeout=120)
+        except self._ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not reserve {sum(b['TPU'] for b in bundles)} TPU chips in 120 s "
+                f"(cluster has {self.cluster_info.get('tpu_chips')}); are other jobs holding chips?"
+            ) from None
+        actors = {Role.TRAINER: {}, Role.SAMPLER: {}}
+        for bundle, role, rank, chips in slots:
+            actors[role][rank] = self._ray.remote(classes[role]).options(
                 name=f"rltpu-{role.value}-{rank}-{os.getpid()}", num_cpus=0, resources={"TPU": len(chips)},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
                 runtime_env={"env_vars": _actor_env(self.cfg, self.emulated)},
-            ).remote(rank, self.cfg.to_dict()))
-        return actors
+            ).remote(rank, self.cfg.to_dict())
+            expected[(role, rank)] = chips
+        self.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
+        self.samplers = [actors[Role.SAMPLER][r] for r in range(len(actors[Role.SAMPLER]))]
+        self.planned_chips = [expected[(Role.TRAINER, r)] for r in range(len(self.trainers))] + \
+                             [expected[(Role.SAMPLER, r)] for r in range(len(self.samplers))]
+        self.pg = pg
 
     def _chips_for(self, ident: dict) -> list:
         """Map Ray's assignment (node, TPU ids) to chip-table entries."""
@@ -122,7 +159,14 @@ class Controller:
         ray = self._ray
         actors = self.trainers + self.samplers
         idents = ray.get([a.identity.remote() for a in actors])
-        self.reports = ray.get([a.claim.remote(self._chips_for(i), i, self.emulated) for a, i in zip(actors, idents)])
+        got = [self._chips_for(i) for i in idents]
+        for planned, actual, ident in zip(self.planned_chips, got, idents):
+            if [c.global_id for c in planned] != [c.global_id for c in actual]:
+                raise PlacementError(
+                    f"Ray gave pid {ident['pid']} TPU ids {ident['ray_tpu_ids']} but the plan wanted chips "
+                    f"{[c.global_id for c in planned]}; another job may hold chips on this host"
+                )
+        self.reports = ray.get([a.claim.remote(c, i, self.emulated) for a, c, i in zip(actors, got, idents)])
         check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
 
     def _write_placement(self) -> None:
@@ -165,6 +209,7 @@ class Controller:
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "loss": sum(s["pg_sum"] for s in stats) / max(tokens, 1),
             "kl": sum(s["kl_sum"] for s in stats) / max(tokens, 1),
+            "entropy": sum(s["entropy_sum"] for s in stats) / max(tokens, 1),
             "clip_frac": sum(s["clipped"] for s in stats) / max(tokens, 1),
             "logp_gap": sum(s["logp_gap_sum"] for s in stats) / max(tokens, 1),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
@@ -255,4 +300,8 @@ class Controller:
             except Exception:  # noqa: BLE001 - best effort; the actor is killed next
                 pass
             self._ray.kill(a)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
         self._ray.shutdown()

@@ -55,6 +55,11 @@ class ProcessRuntime:
             )
         env = libtpu_env(chips, self.generation, MESH_CONTROLLER_BASE_PORT + min(mine))
         os.environ.update(env)
+        if emulated and hasattr(os, "sched_setaffinity"):
+            # an emulated chip is a CPU core: pin each process to its own cores (XLA's CPU thread
+            # pool ignores thread flags, affinity is what bounds it); wraps when chips > cores
+            ncpu = os.cpu_count() or 1
+            os.sched_setaffinity(0, {c.global_id % ncpu for c in chips})
         self.chips, self.identity = list(chips), identity
         self.backend_info = backend.apply(self.backend_cfg)
         return self.report(emulated) | {"libtpu_env": env}

@@ -34,7 +34,9 @@ class CharTokenizer:
             raise ValueError(f"character {err.args[0]!r} is not in the tokenizer alphabet {self.alphabet!r}") from None
         return [self.bos_id, *ids] if add_bos else ids
 
-    def decode(self, ids, stop_at_eos: bool = True) -> str:
+    def decode(self, ids, stop_at_eos: bool = True, show_special: bool = True) -> str:
+        """Ids -> text, stopping at EOS. Pad/BOS inside a completion are shown as ``_``/``^`` so a
+        reward function sees them (a policy must not shorten its answer by emitting them)."""
         out = []
         for i in ids:
             i = int(i)
@@ -42,6 +44,8 @@ class CharTokenizer:
                 break
             if i >= 3:
                 out.append(self.alphabet[i - 3])
+            elif show_special and i != self.eos_id:
+                out.append("_" if i == self.pad_id else "^")
         return "".join(out)
 
     def save(self, directory: Path) -> None:

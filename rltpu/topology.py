@@ -257,7 +257,30 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
             )
     free = {h: [True] * len(table.chips_on(*h)) for h in table.hosts()}
     out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: []}
+    pinned = {Role.SAMPLER: placement.sampler_chip_ids, Role.TRAINER: placement.trainer_chip_ids}
+    for role, total, per in plan:  # pinned chips first, so automatic placement avoids them
+        ids = pinned[role]
+        if ids is None:
+            continue
+        bad = [i for i in ids if not 0 <= i < table.num_chips]
+        if bad:
+            raise ConfigError(
+                f"placement.{role.value}_chip_ids has chip {bad[0]} but cluster {table.describe()} has chips "
+                f"0..{table.num_chips - 1}"
+            )
+        for rank in range(total // per):
+            group = [table.chips[i] for i in ids[rank * per:(rank + 1) * per]]
+            if len({(c.slice, c.host) for c in group}) > 1:
+                raise ConfigError(
+                    f"placement.{role.value}_chip_ids puts {role.value} actor {rank} on chips "
+                    f"{[c.global_id for c in group]} of different hosts; one process owns chips of one host"
+                )
+            for c in group:
+                free[(c.slice, c.host)][c.index] = False
+            out[role].append(sorted(group, key=lambda c: c.index))
     for role, total, per in plan:
+        if pinned[role] is not None:
+            continue
         for rank in range(total // per):
             got = None
             for h in table.hosts():
