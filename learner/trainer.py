@@ -47,7 +47,8 @@ class TrainerEngine:
 
     # -- the update -------------------------------------------------------------------------
     def _tensors(self, batch: dict) -> dict:
-        return {k: torch.as_tensor(np.asarray(v), device=self.device) for k, v in batch.items() if k != "global_tokens"}
+        # np.array copies: arrays from the Ray object store are read-only views
+        return {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in batch.items() if k != "global_tokens"}
 
     def _policy_logp(self, model, b: dict, with_entropy: bool = False):
         logits = model(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]  # (B, L-1, V)

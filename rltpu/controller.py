@@ -33,11 +33,10 @@ from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
 from rltpu.weight_sync import param_spec
 
 
-def _actor_env(cfg: RunConfig, emulated: bool) -> dict[str, str]:
-    env = {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
-    if emulated:
-        env["JAX_PLATFORMS"] = "cpu"
-    return env
+def _actor_env(cfg: RunConfig) -> dict[str, str]:
+    """Env fixed at process start. JAX_PLATFORMS and libtpu's vars are set later by ``claim``
+    (``rltpu.backend``), before the engine imports JAX."""
+    return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
 
 
 class Controller:
@@ -67,8 +66,7 @@ class Controller:
         import ray
 
         self._ray = ray
-        emulated = self.table.emulated if self.cluster_info["mode"] == "embedded" else bool(self.cfg.cluster.emulated)
-        self.emulated = emulated
+        self.emulated = self.table.emulated  # refined from the actors' own view of their nodes below
         self._labelled_nodes = all("ray.io/tpu-worker-id" in n.get("Labels", {}) for n in ray.nodes() if n["Alive"])
         self._spawn_all()
         self._claim_chips()
@@ -134,7 +132,7 @@ class Controller:
             actors[role][rank] = self._ray.remote(classes[role]).options(
                 name=f"rltpu-{role.value}-{rank}-{os.getpid()}", num_cpus=0, resources={"TPU": len(chips)},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-                runtime_env={"env_vars": _actor_env(self.cfg, self.emulated)},
+                runtime_env={"env_vars": _actor_env(self.cfg)},
             ).remote(rank, self.cfg.to_dict())
             expected[(role, rank)] = chips
         self.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
@@ -159,6 +157,8 @@ class Controller:
         ray = self._ray
         actors = self.trainers + self.samplers
         idents = ray.get([a.identity.remote() for a in actors])
+        if self.cfg.cluster.emulated is None:
+            self.emulated = not all(i["tpu_present"] for i in idents)
         got = [self._chips_for(i) for i in idents]
         for planned, actual, ident in zip(self.planned_chips, got, idents):
             if [c.global_id for c in planned] != [c.global_id for c in actual]:

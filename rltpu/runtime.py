@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rltpu import backend
-from rltpu.topology import Chip, libtpu_env
+from rltpu.topology import Chip, libtpu_env, local_tpu_present
 
 MESH_CONTROLLER_BASE_PORT = 8476  # libtpu's default; each process on a host gets its own
 
@@ -33,6 +33,7 @@ def ray_identity() -> dict:
         "hostname": socket.gethostname(),
         "ray_tpu_ids": sorted(int(i) for i in ids),
         "env_tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
+        "tpu_present": local_tpu_present(),  # False: this node's chips are emulated Ray resources
     }
 
 

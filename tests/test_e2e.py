@@ -1,0 +1,119 @@
+"""End to end through the real CLI: an embedded Ray cluster with emulated chips, or a joined one.
+
+These runs are what users run: ``rltpu train configs/quickstart.yaml``. They take a few minutes
+on 2 cores, so they are marked ``slow`` (still part of ``make test``).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from learner.checkpoint import load_checkpoint
+from rltpu.metrics import read_metrics
+from rltpu.runtime import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+pytestmark = pytest.mark.slow
+
+
+def train(run_dir, *overrides, address=None, timeout=420, extra=()):
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
+           *overrides, *extra]
+    if address:
+        cmd += ["--address", address]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_quickstart_learns_with_chip_owning_actors(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    res = train(run_dir, "sync.verify_every=4")
+    wall = time.time() - t0
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert wall < 300, f"quickstart took {wall:.0f}s"
+    m = read_metrics(run_dir / "metrics.jsonl")
+    assert len(m) == 100
+    first5 = sum(r["reward_mean"] for r in m[:5]) / 5
+    last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
+    assert first5 <= 0.2 and last5 >= 0.8, (first5, last5)
+    # steady state compiles nothing: every bucket was compiled before step 1
+    assert all(r["compiles"] == 0 for r in m[1:])
+    # every step trained on rollouts of the version just synced, and the version advanced by one
+    assert [r["weight_version"] for r in m] == list(range(1, 101))
+    assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)
+    # after syncs, sampler logits equal the trainer's on a fixed probe
+    probes = [r["sync_probe_max_diff"] for r in m if r["sync_probe_max_diff"] is not None]
+    assert len(probes) == 25 and max(probes) <= 1e-4, probes
+    for key in ("loss", "kl", "clip_frac", "sample_s", "train_s", "sync_s", "new_tokens_per_s", "padding_frac"):
+        assert key in m[0]
+    # placement: 2 samplers + 2 trainers, one process per chip, disjoint, labelled emulated
+    placement = json.loads((run_dir / "placement.json").read_text())
+    actors = placement["actors"]
+    assert sorted(a["group"] for a in actors) == ["sampler", "sampler", "trainer", "trainer"]
+    chips = [c for a in actors for c in a["chip_ids"]]
+    assert len(chips) == len(set(chips)) == 4
+    assert len({a["pid"] for a in actors}) == 4
+    assert placement["emulated"] is True and all(a["emulated"] for a in actors)
+    assert all(a["libtpu_env"]["TPU_VISIBLE_CHIPS"] == ",".join(map(str, a["chips"])) for a in actors)
+    # resolved config and a loadable final checkpoint (safetensors + JSON)
+    assert (run_dir / "config.yaml").exists()
+    model_sd, optim_sd, meta = load_checkpoint(run_dir / "checkpoint")
+    assert meta["step"] == 100 and meta["data"]["position"] == 100 * 64
+    assert "model.embed_tokens.weight" in model_sd and optim_sd["state"]
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == [
+        "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+
+
+def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
+           "trainer.steps=400"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 3):
+        time.sleep(0.5)
+    assert metrics.exists(), proc.stderr.read() if proc.poll() is not None else "no metrics"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground process group
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    done = len(read_metrics(metrics))
+    _model, _optim, meta = load_checkpoint(run_dir / "checkpoint")
+    # the checkpoint holds what the trainer holds: the last step whose update landed
+    assert meta["step"] in (done, done + 1)
+    assert meta["data"]["position"] == meta["step"] * 64
+    res = train(run_dir, f"trainer.steps={meta['step'] + 2}", extra=["--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = read_metrics(metrics)
+    assert [r["step"] for r in m[-2:]] == [meta["step"] + 1, meta["step"] + 2]
+    assert m[-1]["data_position"] == (meta["step"] + 2) * 64
+
+
+def test_joins_existing_ray_cluster(tmp_path):
+    port = free_port()
+    temp = Path("/tmp") / f"rltpu-test-{os.getpid()}"
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+             "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"TPU": 4}',
+             "--labels=ray.io/tpu-worker-id=0,ray.io/tpu-slice-name=rltpu-emu-slice-0",
+             f"--temp-dir={temp}", "--disable-usage-stats", "--include-dashboard=false"]
+    up = subprocess.run(start, env=ENV, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr[-2000:]
+    try:
+        run_dir = tmp_path / "run"
+        res = train(run_dir, "trainer.steps=3", address=f"127.0.0.1:{port}")
+        assert res.returncode == 0, res.stderr[-3000:]
+        placement = json.loads((run_dir / "placement.json").read_text())
+        assert placement["cluster"]["mode"] == "joined"
+        assert len(read_metrics(run_dir / "metrics.jsonl")) == 3
+    finally:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=ENV,
+                       capture_output=True, timeout=120)
