@@ -31,9 +31,10 @@ class TrainerActor:
 
         from learner.trainer import TrainerEngine
 
-        mesh = DeviceMesh.from_group(self.rt.trainer_group, "cpu" if self.rt.backend_info["device"] == "cpu" else self.rt.backend_info["device"])
+        device = self.rt.backend_info["device"]  # resolved once, by rltpu.backend
+        mesh = DeviceMesh.from_group(self.rt.trainer_group, device)
         self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
-                                    self.cfg.sampler.temperature, mesh=mesh)
+                                    self.cfg.sampler.temperature, mesh=mesh, device=device)
 
     def train_step(self, batch: dict) -> dict:
         return self.engine.train_step(batch)
@@ -56,14 +57,15 @@ class TrainerActor:
         state = self.engine.checkpoint_state(rank0_only=True)
         if state is None:
             return None
-        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"])
+        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"])
         return str(save_checkpoint(path, state["model"], state["optimizer"], meta))
 
     def load_checkpoint(self, path: str) -> dict:
         from learner.checkpoint import load_checkpoint
 
         model_sd, optim_sd, meta = load_checkpoint(path)
-        self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"))
+        self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
+                                          meta.get("rng"))
         return meta
 
     def report(self) -> dict:

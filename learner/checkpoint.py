@@ -3,7 +3,7 @@
 Layout of ``<run_dir>/checkpoint/``:
     model.safetensors        policy weights in Hugging Face names
     optimizer.safetensors    AdamW state, keys ``state.<param>.<exp_avg|exp_avg_sq|step>``
-    trainer_state.json       step, weight version, data cursor, RNG, optimizer param groups,
+    trainer_state.json       step, weight version, data cursor, torch RNG state, optimizer param groups,
                              scheduler, sha256 of each file
 A checkpoint is written to ``checkpoint.tmp``, fsynced, then renamed over the old one (the old
 one is kept as ``checkpoint.prev`` until the rename is done), so a crash at any point leaves a

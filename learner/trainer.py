@@ -121,9 +121,11 @@ class TrainerEngine:
         if rank0_only and self.mesh is not None and self.mesh.get_local_rank() != 0:
             return None
         return {"model": model_sd, "optimizer": optim_sd, "step": self.step,
-                "scheduler": self.scheduler.state_dict()}
+                "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()}}
 
-    def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, step: int, scheduler: dict | None = None) -> None:
+    def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, step: int, scheduler: dict | None = None,
+                              rng: dict | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
@@ -132,4 +134,6 @@ class TrainerEngine:
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
         if scheduler:
             self.scheduler.load_state_dict(scheduler)
+        if rng and "torch_cpu" in rng:
+            torch.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["torch_cpu"]), dtype=torch.uint8))
         self.step = step

@@ -26,6 +26,9 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        ckpt = cfg.resolved_run_dir / "checkpoint"
+        if args.resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
+            raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at the run)")
         from rltpu.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=args.resume)
@@ -48,9 +51,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``rltpu: error: ...``, exit 2), like config errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"rltpu: error: {message} (see 'rltpu {self.prog.split()[-1]} --help')\n"
+                  if " " in self.prog else f"rltpu: error: {message} (see 'rltpu --help')\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rltpu", description="RL post-training on TPU chips (or emulated chips on CPU).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="rltpu", description="RL post-training on TPU chips (or emulated chips on CPU).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("train", help="run a GRPO job from a YAML config")
     p.add_argument("config", help="YAML config (e.g. configs/quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-6")
@@ -58,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="override run_dir")
     p.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoint")
     p.set_defaults(func=cmd_train)
-    args = parser.parse_args(argv)
+    # overrides may come before or after flags (argparse alone stops collecting them at a flag)
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
     return args.func(args)
 
 

@@ -36,7 +36,7 @@ class ClusterConfig(_Section):
     slices: int = Field(1, ge=1)
     emulated: bool | None = None  # None: emulate when no real TPU is found on this host
     address: str | None = None  # join an existing Ray cluster ("auto" or host:port)
-    ray_temp_dir: str | None = None  # default: <run_dir>/../.ray-tmp (kept short for socket paths)
+    ray_temp_dir: str | None = None  # embedded Ray's temp dir; default a fresh /tmp/rltpu-ray-* (short socket paths)
     bind_host: str = "127.0.0.1"
 
     @field_validator("topology")

@@ -67,7 +67,7 @@ class Controller:
 
         self._ray = ray
         self.emulated = self.table.emulated  # refined from the actors' own view of their nodes below
-        self._labelled_nodes = all("ray.io/tpu-worker-id" in n.get("Labels", {}) for n in ray.nodes() if n["Alive"])
+        self.slice_names = self._slice_names()
         self._spawn_all()
         self._claim_chips()
         n_t, n_s = len(self.trainers), len(self.samplers)
@@ -83,6 +83,26 @@ class Controller:
             self._load_checkpoint()
         self._sync(self.version)
         self._write_placement()
+
+    def _slice_names(self) -> list[str] | None:
+        """Slice index -> the ``ray.io/tpu-slice-name`` label of its nodes, or None if unlabelled.
+
+        Embedded clusters use the chip table's names; a joined cluster's slices are whatever its
+        TPU VMs are called, taken in sorted order.
+        """
+        nodes = [n for n in self._ray.nodes() if n["Alive"]]
+        labels = [n.get("Labels", {}) for n in nodes if n.get("Resources", {}).get("TPU")]
+        if not labels or not all("ray.io/tpu-worker-id" in lb and "ray.io/tpu-slice-name" in lb for lb in labels):
+            return None
+        names = sorted({lb["ray.io/tpu-slice-name"] for lb in labels})
+        if self.cluster_info["mode"] == "embedded":
+            names = [self.table.slice_name(s) for s in range(self.cfg.cluster.slices)]
+        if len(names) < self.cfg.cluster.slices:
+            raise PlacementError(
+                f"cluster.slices={self.cfg.cluster.slices} but the Ray cluster has {len(names)} labelled TPU "
+                f"slice(s) ({', '.join(names)}); lower cluster.slices"
+            )
+        return names[: self.cfg.cluster.slices]
 
     def _spawn_all(self) -> None:
         """One placement group, one bundle per actor, bundles in chip order on each host.
@@ -109,7 +129,8 @@ class Controller:
             by_start = {p[3][0].index: p for p in used}
             i = 0
             while i <= last:
-                sel = {"ray.io/tpu-worker-id": str(host[1]), "ray.io/tpu-slice-name": self.table.slice_name(host[0])}
+                sel = {"ray.io/tpu-worker-id": str(host[1]), "ray.io/tpu-slice-name": self.slice_names[host[0]]} \
+                    if self.slice_names else {}
                 if i in by_start:
                     _, role, rank, chips = by_start[i]
                     slots.append((len(bundles), role, rank, chips))
@@ -118,7 +139,7 @@ class Controller:
                 else:  # a chip the plan leaves idle: reserve it so later bundles keep their ids
                     bundles.append({"TPU": 1})
                     i += 1
-                selectors.append(sel if self._labelled_nodes else {})
+                selectors.append(sel)
         pg = placement_group(bundles, strategy="PACK", name=f"rltpu-{os.getpid()}", bundle_label_selector=selectors)
         try:
             self._ray.get(pg.ready(), timeout=120)
@@ -146,7 +167,7 @@ class Controller:
         labels = next((n.get("Labels", {}) for n in self._ray.nodes() if n["NodeID"] == ident["node_id"]), {})
         host = int(labels.get("ray.io/tpu-worker-id", 0))
         slice_name = labels.get("ray.io/tpu-slice-name")
-        sl = next((s for s in range(self.cfg.cluster.slices) if self.table.slice_name(s) == slice_name), 0)
+        sl = self.slice_names.index(slice_name) if self.slice_names and slice_name in self.slice_names else 0
         on_host = {c.index: c for c in self.table.chips_on(sl, host)}
         missing = [i for i in ident["ray_tpu_ids"] if i not in on_host]
         if missing:
@@ -253,7 +274,9 @@ class Controller:
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, data_state: dict | None = None) -> str:
         meta = {"step": self.step_idx, "weight_version": self.version,
-                "data": data_state or self.data.state_dict(), "seed": self.cfg.seed, "config": self.cfg.to_dict()}
+                "data": data_state or self.data.state_dict(), "seed": self.cfg.seed, "config": self.cfg.to_dict(),
+                # sampler randomness is a pure function of (seed, step, sampler rank): nothing else to save
+                "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
         path = str(self.run_dir / "checkpoint")
         return self._ray.get([t.save_checkpoint.remote(path, meta) for t in self.trainers])[0]
 

@@ -82,15 +82,15 @@ class SamplerEngine:
             tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
             return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
-        def generate(params, prompt, prompt_mask, key):
-            B = prompt.shape[0]  # prompt: (B, P) left-padded
+        def generate(params, prompt, prompt_mask, key, n_real):
+            B = prompt.shape[0]  # prompt: (B, P) left-padded; rows >= n_real only fill the bucket
             positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=-1) - 1, 0).astype(jnp.int32)
             kv_mask = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompt_mask)
             cache = jax_llama.init_cache(mcfg, B, S, self.dtype)
             logits, cache = jax_llama.forward_with_cache(params, mcfg, prompt, positions, cache, 0, kv_mask)
             state = dict(
                 i=jnp.int32(0), logits=logits[:, -1], pos=positions[:, -1] + 1, cache=cache, kv_mask=kv_mask,
-                key=key, done=jnp.zeros((B,), bool),
+                key=key, done=jnp.arange(B) >= n_real,  # padding rows never hold the loop open
                 tokens=jnp.full((B, T), pad, jnp.int32), logprobs=jnp.zeros((B, T), jnp.float32),
             )
 
@@ -127,6 +127,7 @@ class SamplerEngine:
             jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32),
             jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32),
             jax.ShapeDtypeStruct((2,), jnp.uint32),
+            jax.ShapeDtypeStruct((), jnp.int32),
         )
         self._compiled[(rows, prompt_len)] = jax.jit(self._program(rows, prompt_len)).lower(*args).compile()
         dt = time.perf_counter() - t0
@@ -167,7 +168,7 @@ class SamplerEngine:
             self.compile_bucket(rows, plen)
         t0 = time.perf_counter()
         tokens, logprobs, lengths, steps = self._compiled[(rows, plen)](
-            self.params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed)
+            self.params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed), jnp.int32(R)
         )
         tokens, logprobs, lengths, steps = jax.device_get((tokens, logprobs, lengths, steps))
         seconds = time.perf_counter() - t0
