@@ -32,11 +32,12 @@ class SamplerActor:
         return self.engine.precompile() if self.cfg.sampler.precompile else []
 
     def receive_weights(self, version: int) -> dict:
-        from rltpu.weight_sync import receive_weights, torch_to_jax
+        from rltpu.weight_sync import count_zero_copy, receive_weights, torch_to_jax
 
         tensors, stats = receive_weights(self.spec, version, int(self.cfg.sync.bucket_mb * 2**20), self.rt.sync_group)
-        self.engine.set_params(torch_to_jax(tensors), version)  # swap only after every bucket arrived
-        return stats
+        params = torch_to_jax(tensors)
+        self.engine.set_params(params, version)  # swap only after every bucket arrived
+        return stats | {"zero_copy": count_zero_copy(tensors, params), "tensors": len(tensors)}
 
     def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int) -> dict:
         return self.engine.generate(prompts, n_per_prompt, seed)

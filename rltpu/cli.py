@@ -47,7 +47,9 @@ def cmd_train(args) -> int:
     last = records[-5:]
     if last:
         mean = sum(r["reward_mean"] for r in last) / len(last)
-        print(f"rltpu: done: {len(records)} steps, last-{len(last)} mean reward {mean:.3f}; run dir {controller.run_dir}")
+        chips = "emulated chips" if controller.emulated else "TPU chips"
+        print(f"rltpu: done: {len(records)} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
+              f"run dir {controller.run_dir}")
     return 0
 
 

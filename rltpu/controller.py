@@ -226,7 +226,7 @@ class Controller:
         tokens = sum(s["tokens"] for s in stats)
         padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
         return {
-            "step": self.step_idx, "weight_version": self.version,
+            "step": self.step_idx, "weight_version": self.version, "emulated": self.emulated,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "loss": sum(s["pg_sum"] for s in stats) / max(tokens, 1),
             "kl": sum(s["kl_sum"] for s in stats) / max(tokens, 1),
@@ -239,7 +239,7 @@ class Controller:
             "step_s": time.perf_counter() - t_step,
             "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(sample_s, 1e-9),
             "compiles": sum(o["compiles"] for o in outs), "padding_frac": padded / max(total, 1),
-            "sync_bytes": sync["bytes"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
+            "sync_bytes": sync["bytes"], "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
             "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
         }
 
@@ -248,8 +248,9 @@ class Controller:
         refs = [t.push_weights.remote(self.spec, version) for t in self.trainers]
         refs += [s.receive_weights.remote(version) for s in self.samplers]
         out = self._ray.get(refs)
-        sent = out[0]
-        return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"], "buckets": sent["buckets"]}
+        sent, received = out[0], out[len(self.trainers):]
+        return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"], "buckets": sent["buckets"],
+                "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
     def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A fixed probe: a few task prompts plus answers, right-padded."""

@@ -109,11 +109,14 @@ def test_joins_existing_ray_cluster(tmp_path):
     assert up.returncode == 0, up.stderr[-2000:]
     try:
         run_dir = tmp_path / "run"
-        res = train(run_dir, "trainer.steps=3", address=f"127.0.0.1:{port}")
+        # also runs the KL-to-reference path (a frozen FSDP2 copy of the initial policy)
+        res = train(run_dir, "trainer.steps=3", "trainer.kl_coef=0.05", address=f"127.0.0.1:{port}")
         assert res.returncode == 0, res.stderr[-3000:]
         placement = json.loads((run_dir / "placement.json").read_text())
         assert placement["cluster"]["mode"] == "joined"
-        assert len(read_metrics(run_dir / "metrics.jsonl")) == 3
+        m = read_metrics(run_dir / "metrics.jsonl")
+        assert len(m) == 3
+        assert m[0]["kl"] < 1e-6 < m[2]["kl"]  # policy == reference before the first update only
     finally:
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=ENV,
                        capture_output=True, timeout=120)

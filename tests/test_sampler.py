@@ -39,8 +39,7 @@ def _shapes(sd) -> dict:
 
 def _engine(cfg: SamplerConfig, sd=None) -> SamplerEngine:
     sd = _state() if sd is None else sd
-    eng = SamplerEngine(MCFG, cfg, V, PAD, EOS, _shapes(sd))
-    return eng
+    return SamplerEngine(MCFG, cfg, V, PAD, EOS, _shapes(sd))
 
 
 def _torch_model(sd) -> LlamaForCausalLM:
