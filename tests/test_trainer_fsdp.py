@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import struct
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -19,6 +17,7 @@ from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.config import ModelConfig, TrainerConfig
 from rltpu.rollout import build_train_batch, split_by_rank
+from procs import spawn_ranks
 
 torch.set_num_threads(1)
 
@@ -94,34 +93,7 @@ def _fsdp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
 
 
 def _spawn(world: int, batch: dict) -> dict[int, dict]:
-    import torch.multiprocessing as mp
-
-    from rltpu.runtime import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, world, port, batch, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, deadline = {}, time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while len(out) < world:
-            try:
-                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            out[rank] = res
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"ranks {hung} did not finish within {JOIN_TIMEOUT_S}s"
-    assert sorted(out) == list(range(world)), out
+    out = spawn_ranks(_fsdp_worker, world, (batch,), JOIN_TIMEOUT_S, "fsdp")
     for rank, res in out.items():
         assert "error" not in res, f"rank {rank}: {res['error']}"
     return out

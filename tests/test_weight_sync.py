@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import time
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from rltpu.config import ModelConfig
 from rltpu.weight_sync import Bucket, param_spec, plan_buckets, spec_digest
+from procs import spawn_ranks
 
 V = 17
 MCFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -138,35 +138,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, q) -> None:
 
 
 def _run(scenario: str, world: int = 3) -> dict[int, list]:
-    import torch.multiprocessing as mp
-
-    from rltpu.runtime import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while len(results) < world:
-            try:
-                rank, events = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            results[rank] = events
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"{scenario}: ranks {hung} still running after {JOIN_TIMEOUT_S}s (reports: {sorted(results)})"
-    assert sorted(results) == list(range(world)), f"{scenario}: no report from some rank: {results}"
-    assert [p.exitcode for p in procs] == [0] * world
+    results = spawn_ranks(_worker, world, (scenario,), JOIN_TIMEOUT_S, scenario)
     return results
 
 
