@@ -23,9 +23,12 @@ class SamplerActor:
     def init_process_groups(self, *args) -> None:
         self.rt.init_process_groups(*args)
 
-    def build(self, vocab_size: int, pad_id: int, eos_id: int, spec) -> list:
-        from rltpu.sampler import SamplerEngine
+    def build(self, vocab_size: int, pad_id: int, eos_id: int, spec, cache_dir: str | None = None) -> list:
+        """Build the engine and its grid; with ``cache_dir`` a restart loads programs from disk."""
+        from rltpu.sampler import SamplerEngine, enable_compile_cache
 
+        if cache_dir:
+            enable_compile_cache(cache_dir)
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)

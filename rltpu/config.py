@@ -145,22 +145,46 @@ class TaskConfig(_Section):
 
 
 class SamplerConfig(_Section):
-    """The compiled JAX generation engine: sampling knobs and the static shape grid."""
+    """The compiled JAX generation engine: sampling knobs and the static shape grid.
+
+    The grid is batch_buckets x prompt_buckets x new_token_buckets; every cell is one compiled
+    program. Defaults are powers of two; a request is padded into the smallest cell that fits.
+    """
 
     group_size: int = Field(8, ge=2)  # G completions per prompt (GRPO needs >= 2)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0)  # 0 = greedy (argmax); logprobs are then those at T=1
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the tokenizer's EOS
     max_new_tokens: int = Field(8, ge=1)
     batch_buckets: tuple[int, ...] = (16, 32, 64)  # rows (prompts x G) per compiled program
     prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
+    new_token_buckets: tuple[int, ...] | None = None  # None: (max_new_tokens,)
+    truncate_prompts: bool = False  # too-long prompts: False = error, True = keep their last tokens
     precompile: bool = True  # compile every bucket at actor start
+    compile_cache: bool = True  # JAX persistent compilation cache in <run_dir>/jax_cache
 
-    @field_validator("batch_buckets", "prompt_buckets")
+    @field_validator("batch_buckets", "prompt_buckets", "new_token_buckets")
     @classmethod
-    def _sorted(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+    def _sorted(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
         if not v or any(b < 1 for b in v) or list(v) != sorted(set(v)):
             raise ValueError(f"must be a non-empty strictly increasing list of positive ints, got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _new_tokens(self) -> "SamplerConfig":
+        if self.new_token_buckets is not None and self.max_new_tokens > max(self.new_token_buckets):
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} exceeds the largest new_token_buckets entry "
+                f"{max(self.new_token_buckets)}"
+            )
+        return self
+
+    @property
+    def new_tokens_grid(self) -> tuple[int, ...]:
+        return self.new_token_buckets or (self.max_new_tokens,)
 
 
 class TrainerConfig(_Section):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class Controller:
         self.cluster_info: dict = {}
         self._ray = None
         self.pg = None
+        self.compile_log, self.compile_summary = [], {}
         self._phase = "idle"
 
     # -- start-up ------------------------------------------------------------------------------
@@ -75,10 +77,13 @@ class Controller:
         args = lambda r: (master, port, n_t + n_s, r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
         ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(self.trainers + self.samplers)])
         builds = [t.build.remote(self.vocab) for t in self.trainers]
-        compiles = [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec)
+        cache_dir = str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
+        t_compile = time.perf_counter()
+        compiles = [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec, cache_dir)
                     for s in self.samplers]
         ray.get(builds)
         self.compile_log = ray.get(compiles)
+        self._report_compiling(time.perf_counter() - t_compile)
         if self.resume:
             self._load_checkpoint()
         self._sync(self.version)
@@ -190,10 +195,22 @@ class Controller:
         self.reports = ray.get([a.claim.remote(c, i, self.emulated) for a, c, i in zip(actors, got, idents)])
         check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
 
+    def _report_compiling(self, wall_s: float) -> None:
+        """The "compiling" phase, on its own: seconds per grid cell per sampler, and disk-cache loads."""
+        for rank, log in enumerate(self.compile_log):
+            cells = ", ".join(f"{r}x{p}x{t} {s:.1f}s{' (cache)' if hit else ''}" for r, p, t, s, hit in log)
+            print(f"rltpu: compiling: sampler {rank}: {cells}", file=sys.stderr, flush=True)
+        self.compile_summary = {
+            "wall_s": wall_s, "programs": sum(len(log) for log in self.compile_log),
+            "cache_hits": sum(int(hit) for log in self.compile_log for *_, hit in log),
+            "seconds": sum(s for log in self.compile_log for *_, s, _hit in log),
+        }
+
     def _write_placement(self) -> None:
         info = {
             "cluster": self.cluster_info, "emulated": self.emulated, "pod_type": self.table.pod_type,
             "chips": self.table.to_rows(), "actors": self.reports, "compile_log": self.compile_log,
+            "compiling": self.compile_summary,
         }
         (self.run_dir / "placement.json").write_text(json.dumps(info, indent=1, default=str))
 
@@ -238,7 +255,10 @@ class Controller:
             "sample_s": sample_s, "train_s": train_s, "sync_s": sync["seconds"],
             "step_s": time.perf_counter() - t_step,
             "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(sample_s, 1e-9),
-            "compiles": sum(o["compiles"] for o in outs), "padding_frac": padded / max(total, 1),
+            "compiles": sum(o["compiles"] for o in outs), "compile_s": sum(o["compile_seconds"] for o in outs),
+            "sample_program_s": max(o["program_seconds"] for o in outs),
+            "sample_host_s": max(o["host_seconds"] for o in outs),
+            "padding_frac": padded / max(total, 1),
             "sync_bytes": sync["bytes"], "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
             "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
         }

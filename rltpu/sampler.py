@@ -1,14 +1,17 @@
 """The sampling engine: the whole generation loop as one compiled JAX program per shape bucket.
 
-Why: on TPU every new shape is a new compile. Requests are padded into the smallest bucket of a
-fixed (rows, prompt length) grid, with ``max_new_tokens`` fixed per job; every bucket is compiled
-ahead of time (``jax.jit(...).lower(...).compile()``) and the executables are kept, so a call can
-never silently recompile: a bucket missing from the cache is compiled *and counted*.
+Why: on TPU every new shape is a new compile. Requests are padded into the smallest cell of a
+fixed (rows, prompt length, new tokens) grid; every cell is compiled ahead of time
+(``jax.jit(...).lower(...).compile()``) and the executables are kept, so a call can never silently
+recompile: a cell missing from the cache is compiled *and counted*. With a persistent compilation
+cache directory (``enable_compile_cache``) a restarted process loads the executables from disk
+instead of compiling them; such loads are counted as cache hits.
 
 One program = prefill the left-padded prompts into a KV cache, then a ``lax.while_loop`` of decode
-steps (temperature / top-p sampling, per-token logprobs) that exits early once every row has
-emitted EOS. Logprobs are those of ``softmax(logits / temperature)``, the distribution the trainer
-scores, before top-p truncation.
+steps (temperature / top-k / top-p sampling, per-token logprobs) that exits early once every real
+row has emitted a stop token or the request's token limit is reached. Logprobs are those of
+``softmax(logits / temperature)`` (``T = 1`` when greedy), the distribution the trainer scores,
+before top-k / top-p truncation.
 
 Testable without Ray; ``actors/sampler_actor.py`` only forwards to it.
 """
@@ -24,12 +27,30 @@ import numpy as np
 
 from rltpu.models import jax_llama
 
+_CACHE_HITS = [0]  # process-wide count of persistent-cache loads (JAX reports them as events)
+
+
+def _on_event(event: str, **_kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def enable_compile_cache(directory: str) -> None:
+    """Use ``directory`` as JAX's persistent compilation cache, for every program size."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 
 @dataclass
 class SamplerStats:
-    compiles: int = 0
+    compiles: int = 0  # programs built in this process (compiled or loaded from the disk cache)
+    cache_hits: int = 0  # of those, loaded from the persistent cache
     compile_seconds: float = 0.0
-    compile_log: list = field(default_factory=list)  # [(rows, prompt_len, seconds)]
+    compile_log: list = field(default_factory=list)  # [(rows, prompt_len, new_tokens, seconds, from_cache)]
 
 
 def pick_bucket(value: int, buckets: tuple[int, ...], what: str) -> int:
@@ -43,6 +64,7 @@ class SamplerEngine:
     def __init__(self, model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict):
         self.mcfg, self.cfg = model_cfg, sampler_cfg
         self.vocab_size, self.pad_id, self.eos_id = vocab_size, pad_id, eos_id
+        self.stop_ids = tuple(dict.fromkeys((eos_id, *sampler_cfg.stop_token_ids)))
         self.dtype = jnp.bfloat16 if model_cfg.dtype == "bfloat16" else jnp.float32
         self.param_structs = {
             k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in param_shapes.items()
@@ -50,7 +72,7 @@ class SamplerEngine:
         self.params: dict | None = None
         self.version = -1
         self.stats = SamplerStats()
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int, int], object] = {}
 
     # -- weights -----------------------------------------------------------------------------
     def set_params(self, params: dict, version: int) -> None:
@@ -62,31 +84,43 @@ class SamplerEngine:
                 raise ValueError(f"weight {k} has shape {tuple(params[k].shape)}, expected {s.shape}")
         self.params, self.version = params, version
 
-    # -- compilation ---------------------------------------------------------------------------
-    def _program(self, rows: int, prompt_len: int):
-        cfg, mcfg = self.cfg, self.mcfg
-        T, P = cfg.max_new_tokens, prompt_len
-        S = P + T
-        temperature, top_p, eos, pad = cfg.temperature, cfg.top_p, self.eos_id, self.pad_id
+    # -- the compiled program ------------------------------------------------------------------
+    def _sample_fn(self):
+        cfg = self.cfg
+        greedy, temperature, top_p, top_k = cfg.temperature == 0, cfg.temperature or 1.0, cfg.top_p, cfg.top_k
 
-        def sample(logits, key):  # logits (B, V) float32
+        def sample(logits, key):  # logits (B, V) float32 -> tokens (B,), logprobs (B,)
             scaled = logits / temperature
             logp_all = jax.nn.log_softmax(scaled, axis=-1)
-            if top_p < 1.0:
-                sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-                cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-                # smallest logit still inside the nucleus (always keeps the top token)
-                k = jnp.sum(cum - jax.nn.softmax(sorted_logits, axis=-1) < top_p, axis=-1)
-                cutoff = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-                scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-            tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+            if greedy:
+                tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+            else:
+                if top_k > 0:
+                    kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]  # (B, 1)
+                    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+                if top_p < 1.0:
+                    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+                    probs = jax.nn.softmax(sorted_logits, axis=-1)
+                    # tokens whose preceding cumulative mass is < top_p form the nucleus (>= 1 token)
+                    k = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1)
+                    cutoff = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+                    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+                tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
             return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
-        def generate(params, prompt, prompt_mask, key, n_real):
+        return sample
+
+    def _program(self, prompt_len: int, new_tokens: int):
+        mcfg, P, T = self.mcfg, prompt_len, new_tokens
+        S, pad = P + T, self.pad_id
+        stop = jnp.asarray(self.stop_ids, jnp.int32)
+        sample = self._sample_fn()
+
+        def generate(params, prompt, prompt_mask, key, n_real, limit):
             B = prompt.shape[0]  # prompt: (B, P) left-padded; rows >= n_real only fill the bucket
             positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=-1) - 1, 0).astype(jnp.int32)
             kv_mask = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompt_mask)
-            cache = jax_llama.init_cache(mcfg, B, S, self.dtype)
+            cache = jax_llama.init_cache(mcfg, B, S, self.dtype)  # (L, B, S, kv_heads, head_dim) x2
             logits, cache = jax_llama.forward_with_cache(params, mcfg, prompt, positions, cache, 0, kv_mask)
             state = dict(
                 i=jnp.int32(0), logits=logits[:, -1], pos=positions[:, -1] + 1, cache=cache, kv_mask=kv_mask,
@@ -95,7 +129,7 @@ class SamplerEngine:
             )
 
             def cond(s):
-                return (s["i"] < T) & ~jnp.all(s["done"])
+                return (s["i"] < jnp.minimum(limit, T)) & ~jnp.all(s["done"])
 
             def body(s):
                 key, sub = jax.random.split(s["key"])
@@ -109,81 +143,109 @@ class SamplerEngine:
                 logits, cache = jax_llama.forward_with_cache(
                     params, mcfg, tok[:, None], s["pos"][:, None], s["cache"], slot, kv_mask
                 )
+                done = s["done"] | jnp.isin(tok, stop)
                 return dict(i=s["i"] + 1, logits=logits[:, 0], pos=s["pos"] + 1, cache=cache, kv_mask=kv_mask,
-                            key=key, done=s["done"] | (tok == eos), tokens=tokens, logprobs=logprobs)
+                            key=key, done=done, tokens=tokens, logprobs=logprobs)
 
             out = jax.lax.while_loop(cond, body, state)
-            is_eos = out["tokens"] == eos
-            lengths = jnp.where(is_eos.any(-1), jnp.argmax(is_eos, -1) + 1, T)
+            is_stop = jnp.isin(out["tokens"], stop)
+            lengths = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, out["i"])
             return out["tokens"], out["logprobs"], lengths, out["i"]
 
         return generate
 
-    def compile_bucket(self, rows: int, prompt_len: int) -> float:
-        """Compile one bucket ahead of time; returns seconds. Counted in ``stats``."""
-        t0 = time.perf_counter()
+    def compile_bucket(self, rows: int, prompt_len: int, new_tokens: int | None = None) -> float:
+        """Build one grid cell ahead of time (compile, or load from the disk cache); returns seconds."""
+        T = new_tokens or self.cfg.new_tokens_grid[-1]
+        t0, hits0 = time.perf_counter(), _CACHE_HITS[0]
+        i32 = jnp.int32
         args = (
             self.param_structs,
-            jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32),
-            jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32),
+            jax.ShapeDtypeStruct((rows, prompt_len), i32),
+            jax.ShapeDtypeStruct((rows, prompt_len), i32),
             jax.ShapeDtypeStruct((2,), jnp.uint32),
-            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((), i32),
         )
-        self._compiled[(rows, prompt_len)] = jax.jit(self._program(rows, prompt_len)).lower(*args).compile()
+        self._compiled[(rows, prompt_len, T)] = jax.jit(self._program(prompt_len, T)).lower(*args).compile()
         dt = time.perf_counter() - t0
+        from_cache = _CACHE_HITS[0] > hits0
         self.stats.compiles += 1
+        self.stats.cache_hits += int(from_cache)
         self.stats.compile_seconds += dt
-        self.stats.compile_log.append((rows, prompt_len, round(dt, 3)))
+        self.stats.compile_log.append((rows, prompt_len, T, round(dt, 3), from_cache))
         return dt
 
-    def precompile(self) -> list:
-        for rows in self.cfg.batch_buckets:
-            for plen in self.cfg.prompt_buckets:
-                if (rows, plen) not in self._compiled:
-                    self.compile_bucket(rows, plen)
+    def precompile(self, cells: list[tuple[int, int, int]] | None = None) -> list:
+        """Build every cell of the grid (or the given ``(rows, prompt_len, new_tokens)`` subset)."""
+        if cells is None:
+            cells = [(r, p, t) for r in self.cfg.batch_buckets for p in self.cfg.prompt_buckets
+                     for t in self.cfg.new_tokens_grid]
+        for cell in cells:
+            if cell not in self._compiled:
+                self.compile_bucket(*cell)
         return list(self.stats.compile_log)
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int) -> dict:
+    def _fit_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+        limit = max(self.cfg.prompt_buckets)
+        too_long = [len(p) for p in prompts if len(p) > limit]
+        if too_long and not self.cfg.truncate_prompts:
+            raise ValueError(
+                f"prompt length={max(too_long)} exceeds the largest bucket {limit}; add a larger "
+                f"sampler.prompt_buckets entry or set sampler.truncate_prompts=true"
+            )
+        return [p[-limit:] for p in prompts], len(too_long)  # keep the end, nearest the answer
+
+    def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int,
+                 max_new_tokens: int | None = None) -> dict:
         """Sample ``n_per_prompt`` completions per prompt (rows prompt-major: p0 x G, p1 x G, ...).
 
-        Returns numpy arrays: ``prompt`` (R, P) left-padded, ``prompt_mask``, ``tokens`` (R, T),
-        ``logprobs`` (R, T), ``lengths`` (R,) counting EOS, plus shape/padding accounting.
+        Returns numpy arrays: ``prompt`` (R, P) left-padded, ``prompt_mask``, ``tokens`` (R, N)
+        and ``logprobs`` (R, N) with N = ``max_new_tokens``, ``lengths`` (R,) counting the stop
+        token, plus shape / padding / time accounting.
         """
+        t_call = time.perf_counter()
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
+        n_new = max_new_tokens or self.cfg.max_new_tokens
+        T = pick_bucket(n_new, self.cfg.new_tokens_grid, "max_new_tokens")
+        prompts, truncated = self._fit_prompts(prompts)
         R = len(prompts) * n_per_prompt
         rows = pick_bucket(R, self.cfg.batch_buckets, "rows")
-        longest = max(len(p) for p in prompts)
-        plen = pick_bucket(longest, self.cfg.prompt_buckets, "prompt length")
+        plen = pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
         prompt = np.full((rows, plen), self.pad_id, np.int32)
         mask = np.zeros((rows, plen), np.int32)
         for i, p in enumerate(prompts):
-            for g in range(n_per_prompt):
-                r = i * n_per_prompt + g
-                prompt[r, plen - len(p):] = p
-                mask[r, plen - len(p):] = 1
-        compiles_before = self.stats.compiles
-        if (rows, plen) not in self._compiled:
-            self.compile_bucket(rows, plen)
+            r0 = i * n_per_prompt
+            prompt[r0:r0 + n_per_prompt, plen - len(p):] = p
+            mask[r0:r0 + n_per_prompt, plen - len(p):] = 1
+        compiles0, compile_s0 = self.stats.compiles, self.stats.compile_seconds
+        if (rows, plen, T) not in self._compiled:
+            self.compile_bucket(rows, plen, T)
         t0 = time.perf_counter()
-        tokens, logprobs, lengths, steps = self._compiled[(rows, plen)](
-            self.params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed), jnp.int32(R)
+        out = self._compiled[(rows, plen, T)](
+            self.params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed), jnp.int32(R),
+            jnp.int32(n_new),
         )
-        tokens, logprobs, lengths, steps = jax.device_get((tokens, logprobs, lengths, steps))
-        seconds = time.perf_counter() - t0
+        tokens, logprobs, lengths, steps = jax.device_get(out)
+        program_s = time.perf_counter() - t0
         lengths = np.asarray(lengths)[:R]
-        real_prompt = int(mask[:R].sum())
-        new_tokens = int(lengths.sum())
+        real_prompt, new_tokens = int(mask[:R].sum()), int(lengths.sum())
         decode_slots = rows * int(steps)
+        compile_s = self.stats.compile_seconds - compile_s0
         return {
-            "prompt": prompt[:R], "prompt_mask": mask[:R], "tokens": np.asarray(tokens)[:R],
-            "logprobs": np.asarray(logprobs)[:R], "lengths": lengths, "version": self.version,
-            "seconds": seconds, "new_tokens": new_tokens, "compiles": self.stats.compiles - compiles_before,
-            "bucket": (rows, plen),
+            "prompt": prompt[:R], "prompt_mask": mask[:R], "tokens": np.asarray(tokens)[:R, :n_new],
+            "logprobs": np.asarray(logprobs)[:R, :n_new], "lengths": lengths, "version": self.version,
+            "new_tokens": new_tokens, "decode_steps": int(steps), "bucket": (rows, plen, T),
+            "compiles": self.stats.compiles - compiles0, "compile_seconds": compile_s,
+            "truncated_prompts": truncated,
             # padded / total token slots, prefill and decode together
             "padded_slots": rows * plen - real_prompt + decode_slots - new_tokens,
             "total_slots": rows * plen + decode_slots,
+            # time inside the compiled program vs in Python around it (padding, host copies)
+            "seconds": program_s, "program_seconds": program_s,
+            "host_seconds": time.perf_counter() - t_call - program_s - compile_s,
         }
 
     def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:

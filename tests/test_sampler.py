@@ -76,7 +76,7 @@ def test_precompile_compiles_the_grid_once_and_generation_never_recompiles(grid)
     eng, before, log = grid
     assert before == 0
     assert eng.stats.compiles == len(GRID.batch_buckets) * len(GRID.prompt_buckets) == 4
-    assert sorted((r, p) for r, p, _ in log) == [(2, 4), (2, 8), (4, 4), (4, 8)]
+    assert sorted((r, p, t) for r, p, t, _s, _hit in log) == [(2, 4, T), (2, 8, T), (4, 4, T), (4, 8, T)]
     assert eng.precompile() == log and eng.stats.compiles == 4  # idempotent
     # (prompts, n_per_prompt) -> expected bucket; different lengths and row counts inside each bucket
     cases = [
@@ -91,7 +91,7 @@ def test_precompile_compiles_the_grid_once_and_generation_never_recompiles(grid)
     ]
     for seed, (prompts, n, bucket) in enumerate(cases):
         out = eng.generate(prompts, n, seed)
-        assert out["bucket"] == bucket
+        assert out["bucket"] == (*bucket, T)
         assert out["compiles"] == 0
         assert out["tokens"].shape == (len(prompts) * n, T)
         assert out["prompt"].shape == (len(prompts) * n, bucket[1])
@@ -178,8 +178,10 @@ def _torch_greedy(model, prompt: list[int]) -> list[int]:
     return out, min(gaps)
 
 
-def test_low_temperature_is_torch_argmax_decoding():
-    cfg = SamplerConfig(group_size=2, temperature=1e-4, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(4,))
+@pytest.mark.parametrize("knobs", [{"temperature": 1e-4}, {"temperature": 0.0}, {"temperature": 1.0, "top_k": 1}])
+def test_greedy_settings_are_torch_argmax_decoding(knobs):
+    """Temperature 0 is greedy by definition; a tiny temperature and top-k=1 must agree with it."""
+    cfg = SamplerConfig(group_size=2, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(4,), **knobs)
     eng = _engine(cfg)
     sd = _state()
     eng.set_params(jax_llama.params_from_torch(sd), 0)
@@ -205,7 +207,7 @@ def test_early_exit_when_every_row_emits_eos(grid):
     eng.set_params(jax_llama.params_from_torch(_eos_state(50.0)), version=4)
     try:
         out = eng.generate([[3, 4, 5], [6, 7]], 2, seed=0)  # bucket (4, 4), 4 real rows
-        assert out["bucket"] == (4, 4)
+        assert out["bucket"] == (4, 4, T)
         assert (out["tokens"][:, 0] == EOS).all() and (out["tokens"][:, 1:] == PAD).all()
         assert out["lengths"].tolist() == [1, 1, 1, 1]
         assert (out["logprobs"][:, 1:] == 0).all() and np.allclose(out["logprobs"][:, 0], 0.0, atol=1e-6)
@@ -225,7 +227,7 @@ def test_padding_rows_of_a_bucket_do_not_hold_the_loop_open(grid):
     eng.set_params(jax_llama.params_from_torch(_eos_state(50.0, pad_dim0=-100.0)), version=5)
     try:
         out = eng.generate([[3, 4, 5], [6, 7], [8]], 1, seed=0)
-        assert out["bucket"] == (4, 4)
+        assert out["bucket"] == (4, 4, T)
         assert out["lengths"].tolist() == [1, 1, 1]
         assert out["total_slots"] == 4 * 4 + 4 * 1  # one decode step
         # prefill: 16 slots, 6 real; decode: 4 slots, 3 real tokens
@@ -239,7 +241,7 @@ def test_padding_accounting_without_eos(grid):
     eng.set_params(jax_llama.params_from_torch(_eos_state(-50.0)), version=6)  # EOS never sampled
     try:
         out = eng.generate([[3, 4, 5], [6, 7], [8, 9, 10, 11, 12]], 1, seed=1)  # 3 rows -> bucket (4, 8)
-        assert out["bucket"] == (4, 8)
+        assert out["bucket"] == (4, 8, T)
         assert out["lengths"].tolist() == [T, T, T]
         assert (out["tokens"] != EOS).all()
         assert out["new_tokens"] == 3 * T

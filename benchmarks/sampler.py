@@ -1,0 +1,492 @@
+"""rltpu's compiled JAX sampler vs Hugging Face ``LlamaForCausalLM.generate`` on the same weights.
+
+    .venv/bin/python benchmarks/sampler.py [--quick] [--out FILE]
+
+Prints ONE JSON document on stdout (progress goes to stderr). Everything runs on this machine's
+CPUs: the process is pinned to one CPU set, torch and XLA use the same number of threads, and
+float32 matmuls run at "highest" precision in both libraries (``rltpu.backend`` does both).
+
+What is compared, for two models (the quickstart size and a ~20M-parameter Llama):
+  * parity first: HF logits vs rltpu's torch model (and rltpu's JAX model) on one batch, <= 1e-4;
+  * batches of 8 / 32 / 64 distinct 16-token prompts, n_per_prompt=1, temperature 1, top-p 1
+    (HF: do_sample, top_k=0), exactly 64 new tokens per row on both sides:
+      - HF: ``min_new_tokens = max_new_tokens = 64`` (EOS is masked until 64 tokens exist);
+      - rltpu: the engine's ``eos_id`` is ``vocab_size`` (an id outside the vocabulary), which
+        ``jax.random.categorical`` over ``vocab_size`` logits can never return, so no row stops
+        early and the logits are untouched (the full distribution is sampled);
+    and both are checked to return 64 tokens per row;
+  * rltpu: cold first call (engine construction + compile of the bucket + first generate;
+    compile seconds separately), warm median over >= 5 calls; HF first call, warm median over
+    >= 3 calls (rltpu and HF calls are interleaved so background load hits both alike);
+  * a shape-perturbation run: requests with random row counts and random prompt lengths inside
+    the grid on the precompiled engine (compiles during the run must be 0), and the same
+    requests through HF generate (left-padded, with attention_mask);
+  * achieved FLOP/s (model FLOPs of the useful work / warm time) against a measured fp32 GEMM
+    peak of this machine (torch and jax.numpy, 2048^3, best of a few reps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from rltpu import backend  # noqa: E402  (imports torch, not JAX's backend)
+from rltpu.config import ModelConfig, SamplerConfig, load_config  # noqa: E402
+from rltpu.tokenizer import CharTokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 16  # every prompt of the fixed-shape runs
+NEW_TOKENS = 64
+BATCH_BUCKETS = (8, 32, 64)
+PROMPT_BUCKETS = (8, 16, 32)  # covers the 16-token prompts; the perturbation run draws 1..32
+PAD_ID = 0  # CharTokenizer: 0 pad, 1 bos, 2 eos (the same ids are used for the 8192-vocab model)
+HF_EOS_ID = 2
+PARITY_TOL = 1e-4
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs):
+    return float(statistics.median(xs))
+
+
+def r(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def model_specs(quick: bool) -> list[dict]:
+    tok = CharTokenizer()
+    qs = load_config(REPO / "configs" / "quickstart.yaml").model
+    # quickstart's max_position_embeddings is 64; prompts (<= 32) + 64 new tokens need 96 positions.
+    # Neither side uses it for default RoPE; raised so HF's length checks stay quiet.
+    quick_cfg = ModelConfig(**{**qs.model_dump(), "max_position_embeddings": 256, "vocab_size": tok.vocab_size})
+    m20 = ModelConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
+                      vocab_size=8192)
+    return [
+        {"name": "quickstart", "cfg": quick_cfg, "vocab": tok.vocab_size,
+         "vocab_note": "CharTokenizer vocab (17 ids: pad 0, bos 1, eos 2, 14 characters)",
+         "batches": BATCH_BUCKETS},
+        {"name": "llama20m", "cfg": m20, "vocab": 8192,
+         "vocab_note": "8192 ids, random token ids 3..8191 as prompts (no tokenizer needed)",
+         "batches": (8, 32) if quick else BATCH_BUCKETS},
+    ]
+
+
+def hf_model(cfg: ModelConfig, vocab: int, sd: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(
+        vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+        pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=HF_EOS_ID, use_cache=True,
+    )
+    model = LlamaForCausalLM(hc).to(torch.float32)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if cfg.tie_word_embeddings:
+        # init_state_dict has no lm_head.weight when tied; HF's lm_head must be the embedding itself
+        assert missing in ([], ["lm_head.weight"]), missing
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "HF lm_head not tied"
+    else:
+        assert not missing, missing
+    assert not unexpected, unexpected
+    return model.eval(), hc
+
+
+def param_counts(cfg: ModelConfig, sd: dict) -> dict:
+    total = sum(v.numel() for v in sd.values())
+    embed = sd["model.embed_tokens.weight"].numel()
+    # weights that take part in a matmul per token: every 2-D weight except the embedding lookup,
+    # plus the output projection (lm_head, or the tied embedding used as lm_head)
+    matmul = sum(v.numel() for k, v in sd.items() if v.dim() == 2 and k != "model.embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        matmul += embed
+    return {"total": int(total), "embedding": int(embed), "non_embedding": int(total - embed),
+            "matmul_per_token": int(matmul)}
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def forward_flops(cfg: ModelConfig, matmul_params: int, contexts) -> float:
+    """Model FLOPs of forward passes for tokens that attend over ``contexts`` keys each:
+    2 x matmul params + QK^T and PV (2 x 2 x layers x q_dim x context)."""
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    contexts = np.asarray(contexts, np.float64)
+    return float(contexts.size * 2.0 * matmul_params + 4.0 * cfg.num_hidden_layers * q_dim * contexts.sum())
+
+
+def useful_flops(cfg: ModelConfig, matmul_params: int, prompt_lens, new_tokens: int) -> float:
+    """Prefill of each real prompt (causal) + the ``new_tokens - 1`` decode forwards that produce
+    tokens 2..new_tokens (the last sampled token needs no forward)."""
+    total = 0.0
+    for p in prompt_lens:
+        total += forward_flops(cfg, matmul_params, np.arange(1, p + 1))
+        total += forward_flops(cfg, matmul_params, np.arange(p + 1, p + new_tokens))
+    return total
+
+
+def rltpu_executed_flops(cfg: ModelConfig, matmul_params: int, rows: int, plen: int, steps: int) -> float:
+    """What the compiled program actually computes: every bucket row, prefill over the padded prompt
+    bucket attending over the whole static cache (S = plen + T slots), and ``steps`` decode
+    forwards, each attending over all S slots."""
+    S = plen + NEW_TOKENS
+    return rows * (forward_flops(cfg, matmul_params, np.full(plen, S))
+                   + forward_flops(cfg, matmul_params, np.full(steps, S)))
+
+
+def gemm_peak(n: int = 2048, reps: int = 5) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    flops = 2.0 * n**3
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)
+    tt = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        tt.append(time.perf_counter() - t0)
+    ja, jb = jnp.asarray(a.numpy()), jnp.asarray(b.numpy())
+    mm = jax.jit(jnp.dot)
+    mm(ja, jb).block_until_ready()
+    jt = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mm(ja, jb).block_until_ready()
+        jt.append(time.perf_counter() - t0)
+    return {"n": n, "reps": reps, "torch_gflops": r(flops / min(tt) / 1e9, 2),
+            "jax_gflops": r(flops / min(jt) / 1e9, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# engines
+
+
+class Rltpu:
+    def __init__(self, cfg: ModelConfig, vocab: int, sd: dict, batch_buckets, prompt_buckets):
+        from rltpu.models import jax_llama
+        from rltpu.sampler import SamplerEngine
+
+        t0 = time.perf_counter()
+        scfg = SamplerConfig(group_size=2, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+                             batch_buckets=tuple(batch_buckets), prompt_buckets=tuple(prompt_buckets))
+        shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+        # eos_id = vocab: outside the vocabulary, never sampled -> every row runs all 64 steps
+        self.engine = SamplerEngine(cfg, scfg, vocab, PAD_ID, vocab, shapes)
+        self.engine.set_params(jax_llama.params_from_torch(sd), 0)
+        self.setup_s = time.perf_counter() - t0
+        self.vocab = vocab
+
+    def compiles(self) -> int:
+        return self.engine.stats.compiles
+
+    def generate(self, prompts, seed: int) -> dict:
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, 1, seed)
+        wall = time.perf_counter() - t0
+        lengths = np.asarray(out["lengths"])
+        assert lengths.shape == (len(prompts),) and (lengths == NEW_TOKENS).all(), \
+            f"rltpu rows stopped early: lengths {sorted(set(lengths.tolist()))}"
+        assert out["tokens"].shape == (len(prompts), NEW_TOKENS)
+        assert int(out["tokens"].max()) < self.vocab
+        return {"wall_s": wall, "engine_s": float(out["seconds"]), "new_tokens": int(out["new_tokens"]),
+                "compiles": int(out["compiles"]), "padded_slots": int(out["padded_slots"]),
+                "total_slots": int(out["total_slots"]), "bucket": tuple(out["bucket"])}
+
+
+class HF:
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompts, seed: int) -> dict:
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding, as decoder-only generation requires
+            ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p):] = 1
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD_ID,
+                eos_token_id=HF_EOS_ID,
+            )
+        wall = time.perf_counter() - t0
+        new = out[:, P:]
+        assert new.shape == (len(prompts), NEW_TOKENS), f"HF returned {tuple(new.shape)} new tokens"
+        assert not (new == HF_EOS_ID).any(), "HF emitted EOS before 64 tokens"
+        return {"wall_s": wall, "new_tokens": int(new.numel())}
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def parity(cfg, vocab, sd, hf, rt) -> dict:
+    from rltpu.models.torch_llama import LlamaForCausalLM
+
+    rng = np.random.default_rng(123)
+    ids = torch.tensor(rng.integers(3, vocab, size=(4, PROMPT_LEN)), dtype=torch.long)
+    ours = LlamaForCausalLM(cfg, vocab)
+    ours.load_state_dict(sd)
+    ours.eval()
+    with torch.no_grad():
+        lt = ours(ids).float()
+        lh = hf(input_ids=ids).logits.float()
+    pos = torch.arange(PROMPT_LEN).expand(4, -1)
+    lj = torch.from_numpy(rt.engine.probe_logits(ids.numpy().astype(np.int32), pos.numpy().astype(np.int32),
+                                                 np.ones((4, PROMPT_LEN), np.int32)))
+    d_hf = float((lh - lt).abs().max())
+    d_jax = float((lj - lt).abs().max())
+    res = {"batch": list(ids.shape), "max_abs_logit_diff_hf_vs_rltpu_torch": d_hf,
+           "max_abs_logit_diff_rltpu_jax_vs_torch": d_jax, "logit_abs_max": float(lt.abs().max()),
+           "tolerance": PARITY_TOL, "ok": d_hf <= PARITY_TOL and d_jax <= PARITY_TOL}
+    assert res["ok"], f"parity failed: {res}"
+    return res
+
+
+def fixed_prompts(rng, rows: int, vocab: int):
+    return [rng.integers(3, vocab, size=PROMPT_LEN).tolist() for _ in range(rows)]
+
+
+def bench_model(spec: dict, args, machine_peak: float) -> dict:
+    from rltpu.models.torch_llama import init_state_dict
+
+    cfg, vocab, name = spec["cfg"], spec["vocab"], spec["name"]
+    log(f"== model {name}")
+    sd = init_state_dict(cfg, vocab, seed=0)
+    counts = param_counts(cfg, sd)
+    hf_m, _ = hf_model(cfg, vocab, sd)
+    hf = HF(hf_m)
+    rt = Rltpu(cfg, vocab, sd, spec["batches"], PROMPT_BUCKETS)
+    par = parity(cfg, vocab, sd, hf_m, rt)
+    log(f"parity ok: hf-vs-torch {par['max_abs_logit_diff_hf_vs_rltpu_torch']:.2e}, "
+        f"jax-vs-torch {par['max_abs_logit_diff_rltpu_jax_vs_torch']:.2e}")
+    mp = counts["matmul_per_token"]
+    rng = np.random.default_rng(0)
+    seed = 1000
+    batches = {}
+    for rows in spec["batches"]:
+        prompts = fixed_prompts(rng, rows, vocab)
+        # rltpu cold: construction (shared, once per model) + compile of this bucket + first call
+        c0 = rt.compiles()
+        t0 = time.perf_counter()
+        compile_s = rt.engine.compile_bucket(rows, PROMPT_LEN)
+        first = rt.generate(prompts, seed)
+        seed += 1
+        cold_s = time.perf_counter() - t0 + rt.setup_s
+        assert first["compiles"] == 0 and rt.compiles() == c0 + 1
+        hf_first = hf.generate(prompts, seed)
+        seed += 1
+        rt_calls, hf_calls = [], []
+        for i in range(args.rltpu_reps):  # interleaved so background load hits both sides alike
+            rt_calls.append(rt.generate(prompts, seed))
+            seed += 1
+            if i < args.hf_reps:
+                hf_calls.append(hf.generate(prompts, seed))
+                seed += 1
+        assert all(c["compiles"] == 0 for c in rt_calls)
+        new = rows * NEW_TOKENS
+        rt_warm = median([c["wall_s"] for c in rt_calls])
+        rt_engine = median([c["engine_s"] for c in rt_calls])
+        hf_warm = median([c["wall_s"] for c in hf_calls])
+        flops = useful_flops(cfg, mp, [PROMPT_LEN] * rows, NEW_TOKENS)
+        executed = rltpu_executed_flops(cfg, mp, rows, PROMPT_LEN, NEW_TOKENS)
+        b = {
+            "rows": rows, "prompt_len": PROMPT_LEN, "new_tokens_per_row": NEW_TOKENS, "new_tokens": new,
+            "rltpu": {
+                "cold_first_call_s": r(cold_s), "compile_s": r(compile_s), "first_generate_s": r(first["wall_s"]),
+                "engine_setup_s": r(rt.setup_s), "warm_median_s": r(rt_warm), "warm_engine_median_s": r(rt_engine),
+                "warm_calls_s": [r(c["wall_s"]) for c in rt_calls], "warm_tokens_per_s": r(new / rt_warm, 1),
+                "decode_step_ms": r(rt_warm / NEW_TOKENS * 1e3, 2),
+                "achieved_gflops": r(flops / rt_warm / 1e9, 3),
+                "executed_gflops_incl_padding": r(executed / rt_warm / 1e9, 3),
+            },
+            "hf": {
+                "first_call_s": r(hf_first["wall_s"]), "warm_median_s": r(hf_warm),
+                "warm_calls_s": [r(c["wall_s"]) for c in hf_calls], "warm_tokens_per_s": r(new / hf_warm, 1),
+                "decode_step_ms": r(hf_warm / NEW_TOKENS * 1e3, 2),
+                "achieved_gflops": r(flops / hf_warm / 1e9, 3),
+            },
+            "useful_gflop_per_call": r(flops / 1e9, 4),
+            "rltpu_executed_gflop_per_call": r(executed / 1e9, 4),
+            "ratio_rltpu_over_hf_warm_tps": r(hf_warm / rt_warm, 3),
+            "ratio_rltpu_over_hf_first_call": r(hf_first["wall_s"] / cold_s, 3),
+        }
+        b["rltpu"]["fraction_of_peak"] = r(b["rltpu"]["achieved_gflops"] / machine_peak, 4)
+        b["hf"]["fraction_of_peak"] = r(b["hf"]["achieved_gflops"] / machine_peak, 4)
+        batches[str(rows)] = b
+        log(f"{name} B={rows}: rltpu warm {rt_warm:.3f}s ({new / rt_warm:.0f} tok/s, cold {cold_s:.2f}s, "
+            f"compile {compile_s:.2f}s) | HF warm {hf_warm:.3f}s ({new / hf_warm:.0f} tok/s, first "
+            f"{hf_first['wall_s']:.2f}s) | ratio {hf_warm / rt_warm:.2f}x")
+
+    # the rest of the grid, then the shape-perturbation run on the precompiled engine
+    t0 = time.perf_counter()
+    rt.engine.precompile()
+    precompile_s = time.perf_counter() - t0
+    n_req = args.requests if name == "quickstart" else args.requests_20m
+    perturb = perturbation(rt, hf, cfg, vocab, mp, n_req, spec["batches"], machine_peak) if n_req else None
+    return {
+        "config": {k: v for k, v in cfg.model_dump().items() if k not in ("init_std",)} | {"head_dim": cfg.head_dim},
+        "vocab_size": vocab, "vocab_note": spec["vocab_note"], "params": counts,
+        "grid": {"batch_buckets": list(spec["batches"]), "prompt_buckets": list(PROMPT_BUCKETS),
+                 "max_new_tokens": NEW_TOKENS},
+        "parity": par,
+        "batches": batches,
+        "compiles": {"total": rt.compiles(), "total_compile_s": r(rt.engine.stats.compile_seconds, 3),
+                     "rest_of_grid_precompile_s": r(precompile_s, 3),
+                     "log": [list(x) for x in rt.engine.stats.compile_log]},
+        "perturbation": perturb,
+    }
+
+
+def perturbation(rt: Rltpu, hf: HF, cfg, vocab, mp, n_req: int, batch_buckets, machine_peak) -> dict:
+    log(f"perturbation run: {n_req} requests")
+    rng = np.random.default_rng(7)
+    requests = []
+    for _ in range(n_req):
+        rows = int(rng.integers(1, max(batch_buckets) + 1))
+        lens = rng.integers(1, max(PROMPT_BUCKETS) + 1, size=rows)
+        requests.append([rng.integers(3, vocab, size=int(n)).tolist() for n in lens])
+    c0 = rt.compiles()
+    rt_s = hf_s = 0.0
+    new = padded = slots = 0
+    flops = 0.0
+    buckets = {}
+    for i, prompts in enumerate(requests):
+        o = rt.generate(prompts, 50_000 + i)
+        rt_s += o["wall_s"]
+        new += o["new_tokens"]
+        padded += o["padded_slots"]
+        slots += o["total_slots"]
+        buckets[str(o["bucket"])] = buckets.get(str(o["bucket"]), 0) + 1
+        flops += useful_flops(cfg, mp, [len(p) for p in prompts], NEW_TOKENS)
+        h = hf.generate(prompts, 60_000 + i)
+        hf_s += h["wall_s"]
+        assert h["new_tokens"] == o["new_tokens"]
+    compiles = rt.compiles() - c0
+    assert compiles == 0, f"{compiles} compiles during the perturbation run"
+    res = {
+        "requests": n_req, "rows_range": [1, max(batch_buckets)], "prompt_len_range": [1, max(PROMPT_BUCKETS)],
+        "new_tokens": new, "buckets_used": buckets,
+        "rltpu": {"total_s": r(rt_s, 3), "tokens_per_s": r(new / rt_s, 1), "compiles_during_run": compiles,
+                  "padding_fraction": r(padded / slots, 4),
+                  "achieved_gflops": r(flops / rt_s / 1e9, 3), "fraction_of_peak": r(flops / rt_s / 1e9 / machine_peak, 4)},
+        "hf": {"total_s": r(hf_s, 3), "tokens_per_s": r(new / hf_s, 1),
+               "achieved_gflops": r(flops / hf_s / 1e9, 3), "fraction_of_peak": r(flops / hf_s / 1e9 / machine_peak, 4)},
+        "ratio_rltpu_over_hf_tps": r(hf_s / rt_s, 3),
+    }
+    log(f"perturbation: rltpu {rt_s:.1f}s ({new / rt_s:.0f} tok/s, padding {padded / slots:.1%}, "
+        f"{compiles} compiles) | HF {hf_s:.1f}s ({new / hf_s:.0f} tok/s) | ratio {hf_s / rt_s:.2f}x")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer reps, no batch 64 on the 20M model, 20 requests")
+    ap.add_argument("--out", help="also write the JSON document to this file")
+    ap.add_argument("--models", default="quickstart,llama20m", help="comma-separated subset to run")
+    args = ap.parse_args(argv)
+    args.rltpu_reps, args.hf_reps = (3, 2) if args.quick else (5, 3)
+    args.requests, args.requests_20m = (20, 0) if args.quick else (100, 16)
+
+    t_start = time.perf_counter()
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = backend.configure_threads(len(cpus), cpus)  # before JAX starts its CPU client
+    precision = backend.configure_precision("highest")
+    import jax
+    import transformers
+
+    assert jax.default_backend() == "cpu", jax.default_backend()
+    env = {
+        "python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
+        "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+        "torch_threads": torch.get_num_threads(), **threads, **precision,
+        "hf_attn_implementation": None, "loadavg_start": list(os.getloadavg()),
+    }
+    log(f"threads {threads['threads']} on cpus {threads['cpu_affinity']}; matmul precision highest")
+    peak0 = gemm_peak()
+    machine_peak = max(peak0["torch_gflops"], peak0["jax_gflops"])
+    log(f"fp32 GEMM 2048^3 peak: torch {peak0['torch_gflops']} GFLOP/s, jax {peak0['jax_gflops']} GFLOP/s")
+
+    wanted = set(args.models.split(","))
+    models = {}
+    for spec in model_specs(args.quick):
+        if spec["name"] in wanted:
+            models[spec["name"]] = bench_model(spec, args, machine_peak)
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401  (attn impl actually used)
+
+    peak1 = gemm_peak()
+    env["loadavg_end"] = list(os.getloadavg())
+    env["hf_attn_implementation"] = "sdpa (transformers default for LlamaForCausalLM(config))"
+    summary = {}
+    for name, m in models.items():
+        s = {f"B{k}": {"rltpu_tps": b["rltpu"]["warm_tokens_per_s"], "hf_tps": b["hf"]["warm_tokens_per_s"],
+                       "ratio": b["ratio_rltpu_over_hf_warm_tps"],
+                       "rltpu_frac_peak": b["rltpu"]["fraction_of_peak"], "hf_frac_peak": b["hf"]["fraction_of_peak"]}
+             for k, b in m["batches"].items()}
+        if m["perturbation"]:
+            p = m["perturbation"]
+            s["perturbation"] = {"ratio": p["ratio_rltpu_over_hf_tps"], "rltpu_tps": p["rltpu"]["tokens_per_s"],
+                                 "hf_tps": p["hf"]["tokens_per_s"], "compiles": p["rltpu"]["compiles_during_run"],
+                                 "padding_fraction": p["rltpu"]["padding_fraction"]}
+        summary[name] = s
+    b32 = {n: m["batches"]["32"]["ratio_rltpu_over_hf_warm_tps"] for n, m in models.items() if "32" in m["batches"]}
+    doc = {
+        "benchmark": "rltpu SamplerEngine vs transformers LlamaForCausalLM.generate (CPU)",
+        "command": " ".join([".venv/bin/python", "benchmarks/sampler.py", *(argv if argv is not None else sys.argv[1:])]),
+        "quick": args.quick,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "hf_top_k": 0, "new_tokens_per_row": NEW_TOKENS,
+                     "prompt_len": PROMPT_LEN, "n_per_prompt": 1,
+                     "exact_length": "HF: min_new_tokens=max_new_tokens=64 (EOS id 2 masked until 64); "
+                                     "rltpu: eos_id=vocab_size (out of vocabulary, never sampled); "
+                                     "both verified to return 64 tokens per row",
+                     "timing": "wall clock around one generate call (host padding + transfers included); "
+                               "rltpu and HF calls interleaved; medians"},
+        "reps": {"rltpu_warm": args.rltpu_reps, "hf_warm": args.hf_reps},
+        "env": env,
+        "gemm_peak": {"start": peak0, "end": peak1, "machine_peak_gflops_used": machine_peak},
+        "acceptance": {"target": "rltpu warm tokens/s >= 3x HF at batch 32 on both models",
+                       "batch32_ratios": b32, "met": bool(b32) and all(v >= 3.0 for v in b32.values())},
+        "summary": summary,
+        "models": models,
+        "elapsed_s": r(time.perf_counter() - t_start, 1),
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
