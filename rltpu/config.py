@@ -161,6 +161,7 @@ class SamplerConfig(_Section):
     prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
     new_token_buckets: tuple[int, ...] | None = None  # None: (max_new_tokens,)
     truncate_prompts: bool = False  # too-long prompts: False = error, True = keep their last tokens
+    microbatch_rows: int = Field(0, ge=0)  # >0: run a request as sequential micro-batches of this many rows
     precompile: bool = True  # compile every bucket at actor start
     compile_cache: bool = True  # JAX persistent compilation cache in <run_dir>/jax_cache
 

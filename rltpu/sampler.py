@@ -204,16 +204,34 @@ class SamplerEngine:
         Returns numpy arrays: ``prompt`` (R, P) left-padded, ``prompt_mask``, ``tokens`` (R, N)
         and ``logprobs`` (R, N) with N = ``max_new_tokens``, ``lengths`` (R,) counting the stop
         token, plus shape / padding / time accounting.
+
+        With ``sampler.microbatch_rows`` the request runs as sequential micro-batches that each
+        exit when *their* rows finish, instead of one batch that waits for its longest row.
         """
-        t_call = time.perf_counter()
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
+        mb = self.cfg.microbatch_rows // n_per_prompt if self.cfg.microbatch_rows else 0
+        if not mb or len(prompts) <= mb:
+            return self._generate(prompts, n_per_prompt, seed, max_new_tokens)
+        prompts, _ = self._fit_prompts(prompts)
+        plen = pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
+        parts = [self._generate(prompts[i:i + mb], n_per_prompt, seed * 7919 + i, max_new_tokens, plen)
+                 for i in range(0, len(prompts), mb)]
+        out = {k: np.concatenate([p[k] for p in parts]) for k in
+               ("prompt", "prompt_mask", "tokens", "logprobs", "lengths")}
+        for k in ("new_tokens", "decode_steps", "compiles", "compile_seconds", "truncated_prompts",
+                  "padded_slots", "total_slots", "seconds", "program_seconds", "host_seconds"):
+            out[k] = sum(p[k] for p in parts)
+        return out | {"version": self.version, "bucket": parts[0]["bucket"], "microbatches": len(parts)}
+
+    def _generate(self, prompts, n_per_prompt, seed, max_new_tokens=None, plen=None) -> dict:
+        t_call = time.perf_counter()
         n_new = max_new_tokens or self.cfg.max_new_tokens
         T = pick_bucket(n_new, self.cfg.new_tokens_grid, "max_new_tokens")
         prompts, truncated = self._fit_prompts(prompts)
         R = len(prompts) * n_per_prompt
         rows = pick_bucket(R, self.cfg.batch_buckets, "rows")
-        plen = pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
+        plen = plen or pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
         prompt = np.full((rows, plen), self.pad_id, np.int32)
         mask = np.zeros((rows, plen), np.int32)
         for i, p in enumerate(prompts):

@@ -133,3 +133,22 @@ def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
     warm = run()
     assert warm["compiles"] == 4 and warm["cache_hits"] == 4  # every program loaded, none compiled
     assert warm["tokens"] == cold["tokens"]  # the cached programs compute the same thing
+
+
+def test_microbatches_split_a_request_and_keep_the_row_order():
+    cfg = SamplerConfig(group_size=2, max_new_tokens=5, batch_buckets=(2, 4), prompt_buckets=(4,), microbatch_rows=2,
+                        stop_token_ids=(5,))
+    eng = _engine(cfg)
+    eng.precompile()
+    eng.set_params(jax_llama.params_from_torch(_state()), 0)
+    prompts = [[3, 4], [6], [7, 8, 9]]
+    out = eng.generate(prompts, 2, seed=3)
+    assert out["microbatches"] == 3 and out["compiles"] == 0
+    assert out["tokens"].shape == (6, 5) and out["prompt"].shape == (6, 4)
+    # rows stay prompt-major: each micro-batch holds one prompt's two samples
+    assert [row[row > 0].tolist() for row in out["prompt"][::2]] == prompts
+    # each micro-batch stopped with its own rows: steps add up per micro-batch, not per request
+    assert out["decode_steps"] <= 3 * 5 and (out["lengths"] <= 5).all()
+    single = _engine(cfg.model_copy(update={"microbatch_rows": 0}))
+    single.set_params(jax_llama.params_from_torch(_state()), 0)
+    assert "microbatches" not in single.generate(prompts, 2, seed=3)
