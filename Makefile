@@ -8,7 +8,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench-sampler clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# rltpu's sampler vs Hugging Face generate on the same weights (one JSON document on stdout)
+bench-sampler: setup
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/sampler.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
