@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from learner.fsdp import full_state_dict, parallelize_llama
 from learner.losses import grpo_loss, token_entropy, token_logprobs
@@ -73,10 +72,12 @@ class TrainerEngine:
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
         stats = {}
+        gap = 0.0
         for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             out, gap_now = self.loss(batch)
-            gap = gap_now if epoch == 0 else gap  # sampler-vs-trainer gap, before any update
+            if epoch == 0:
+                gap = gap_now  # sampler-vs-trainer logprob gap, measured before any update
             out.loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()

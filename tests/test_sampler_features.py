@@ -15,7 +15,7 @@ import torch
 
 from rltpu.config import SamplerConfig
 from rltpu.models import jax_llama
-from test_sampler import EOS, MCFG, PAD, V, _engine, _state, _torch_model
+from test_sampler import EOS, PAD, V, _engine, _state, _torch_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
