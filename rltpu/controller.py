@@ -50,6 +50,7 @@ class Controller:
         self.reward_fn = load_reward_fn(cfg.task.reward_fn)
         self.data = SyntheticPromptDataset.from_config(cfg.task, cfg.seed)
         self.spec = param_spec(cfg.model, self.vocab)
+        self.probe = self.probe_batch()
         self.samplers, self.trainers, self.reports = [], [], []
         self.version, self.step_idx = 0, 0
         self.cluster_info: dict = {}
@@ -239,16 +240,17 @@ class Controller:
         self._phase = "sync"
         sync = self._sync(self.version)
         probe = self._probe() if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0 else None
-        tokens = sum(s["tokens"] for s in stats)
+        tokens = max(sum(s["tokens"] for s in stats), 1)
+
+        def per_token(key: str) -> float:  # per-rank sums -> one mean over the global batch
+            return sum(s[key] for s in stats) / tokens
+
         padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
         return {
             "step": self.step_idx, "weight_version": self.version, "emulated": self.emulated,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "loss": sum(s["pg_sum"] for s in stats) / max(tokens, 1),
-            "kl": sum(s["kl_sum"] for s in stats) / max(tokens, 1),
-            "entropy": sum(s["entropy_sum"] for s in stats) / max(tokens, 1),
-            "clip_frac": sum(s["clipped"] for s in stats) / max(tokens, 1),
-            "logp_gap": sum(s["logp_gap_sum"] for s in stats) / max(tokens, 1),
+            "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
+            "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
             "response_len": float(gen["lengths"].mean()),
             "sample_s": sample_s, "train_s": train_s, "sync_s": sync["seconds"],
@@ -285,7 +287,7 @@ class Controller:
 
     def _probe(self) -> float:
         """Max |logit diff| between trainer and every sampler on the probe (catches sync bugs)."""
-        probe = self.probe_batch()
+        probe = self.probe
         t_logits = self._ray.get([t.probe_logits.remote(*probe) for t in self.trainers])[0]
         s_logits = self._ray.get([s.probe_logits.remote(*probe) for s in self.samplers])
         mask = probe[2].astype(bool)

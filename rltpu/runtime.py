@@ -15,9 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rltpu import backend
-from rltpu.topology import Chip, libtpu_env, local_tpu_present
-
-MESH_CONTROLLER_BASE_PORT = 8476  # libtpu's default; each process on a host gets its own
+from rltpu.topology import Chip, libtpu_env, local_tpu_present, mesh_port
 
 
 def ray_identity() -> dict:
@@ -54,7 +52,7 @@ class ProcessRuntime:
             raise RuntimeError(
                 f"{self.role} {self.rank}: handed chips {mine} but Ray assigned TPU ids {identity['ray_tpu_ids']}"
             )
-        env = libtpu_env(chips, self.generation, MESH_CONTROLLER_BASE_PORT + min(mine))
+        env = libtpu_env(chips, self.generation, mesh_port(chips))
         os.environ.update(env)
         if emulated and hasattr(os, "sched_setaffinity"):
             # an emulated chip is a CPU core: pin each process to its own cores (XLA's CPU thread

@@ -36,6 +36,7 @@ def _on_event(event: str, **_kwargs) -> None:
 
 
 jax.monitoring.register_event_listener(_on_event)
+_forward = jax.jit(jax_llama.forward, static_argnums=1)  # the uncached forward, for probes
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -210,25 +211,26 @@ class SamplerEngine:
         """
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
+        prompts, truncated = self._fit_prompts(prompts)
         mb = self.cfg.microbatch_rows // n_per_prompt if self.cfg.microbatch_rows else 0
         if not mb or len(prompts) <= mb:
-            return self._generate(prompts, n_per_prompt, seed, max_new_tokens)
-        prompts, _ = self._fit_prompts(prompts)
+            return self._generate(prompts, n_per_prompt, seed, max_new_tokens) | {"truncated_prompts": truncated}
         plen = pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
         parts = [self._generate(prompts[i:i + mb], n_per_prompt, seed * 7919 + i, max_new_tokens, plen)
                  for i in range(0, len(prompts), mb)]
         out = {k: np.concatenate([p[k] for p in parts]) for k in
                ("prompt", "prompt_mask", "tokens", "logprobs", "lengths")}
-        for k in ("new_tokens", "decode_steps", "compiles", "compile_seconds", "truncated_prompts",
+        for k in ("new_tokens", "decode_steps", "compiles", "compile_seconds",
                   "padded_slots", "total_slots", "seconds", "program_seconds", "host_seconds"):
             out[k] = sum(p[k] for p in parts)
-        return out | {"version": self.version, "bucket": parts[0]["bucket"], "microbatches": len(parts)}
+        return out | {"version": self.version, "bucket": parts[0]["bucket"], "microbatches": len(parts),
+                      "truncated_prompts": truncated}
 
     def _generate(self, prompts, n_per_prompt, seed, max_new_tokens=None, plen=None) -> dict:
+        """One compiled call on prompts that already fit the grid (see ``_fit_prompts``)."""
         t_call = time.perf_counter()
         n_new = max_new_tokens or self.cfg.max_new_tokens
         T = pick_bucket(n_new, self.cfg.new_tokens_grid, "max_new_tokens")
-        prompts, truncated = self._fit_prompts(prompts)
         R = len(prompts) * n_per_prompt
         rows = pick_bucket(R, self.cfg.batch_buckets, "rows")
         plen = plen or pick_bucket(max(len(p) for p in prompts), self.cfg.prompt_buckets, "prompt length")
@@ -257,7 +259,6 @@ class SamplerEngine:
             "logprobs": np.asarray(logprobs)[:R, :n_new], "lengths": lengths, "version": self.version,
             "new_tokens": new_tokens, "decode_steps": int(steps), "bucket": (rows, plen, T),
             "compiles": self.stats.compiles - compiles0, "compile_seconds": compile_s,
-            "truncated_prompts": truncated,
             # padded / total token slots, prefill and decode together
             "padded_slots": rows * plen - real_prompt + decode_slots - new_tokens,
             "total_slots": rows * plen + decode_slots,
@@ -267,7 +268,7 @@ class SamplerEngine:
         }
 
     def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:
-        out = jax.jit(jax_llama.forward, static_argnums=1)(
+        out = _forward(
             self.params, self.mcfg, jnp.asarray(tokens), jnp.asarray(position_ids), jnp.asarray(attention_mask)
         )
         return np.asarray(out, dtype=np.float32)

@@ -34,12 +34,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def param_spec(model_cfg, vocab_size: int) -> ParamSpec:
-    """Names, shapes and dtypes of the policy, from a meta-device build (no memory)."""
-    from rltpu.models.torch_llama import LlamaForCausalLM
+    """Names, shapes and dtypes of the policy, in state-dict order (every parameter is in
+    ``model.dtype``)."""
+    from rltpu.models import param_shapes
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_cfg, vocab_size)
-    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()]
+    return [(k, shape, model_cfg.dtype) for k, shape in param_shapes(model_cfg, vocab_size).items()]
 
 
 def spec_digest(spec: ParamSpec) -> int:
