@@ -231,7 +231,7 @@ def test_cache_prefill_then_decode_matches_forward(tied):
 
     step = functools.partial(jstep, cfg=cfg)
     cache = jax_llama.init_cache(cfg, B, S, jnp.float32)
-    assert cache["k"].shape == (2, B, S, 2, 16)
+    assert len(cache["k"]) == 2 and cache["k"][0].shape == (B, 2, S, 16)  # per layer [B, kv, S, hd]
     kv_mask = np.zeros((B, S), np.int32)
     kv_mask[:, :P] = mask
     logits, cache = step(params, input_ids=ids, positions=pos, cache=cache, cache_index=jnp.int32(0), kv_mask=kv_mask)
@@ -251,7 +251,8 @@ def test_cache_prefill_then_decode_matches_forward(tied):
         assert logits.shape == (B, 1, V) and logits.dtype == jnp.float32
         assert np.abs(np.asarray(logits)[:, 0] - want[:, slot]).max() <= TOL, f"decode step {j}"
     # slots past the last write are untouched
-    assert not np.asarray(cache["k"])[:, :, P + steps :].any()
+    assert not np.asarray(cache["k"][0])[:, :, P + steps :].any()
+    assert np.asarray(cache["k"][1])[:, :, P + steps - 1].any()
 
 
 def test_bf16_smoke():
@@ -265,7 +266,7 @@ def test_bf16_smoke():
     # bf16 rounding differs by op order; still the same model within a loose bound
     assert np.abs(lt - lj)[mask.astype(bool)].max() < 0.25
     cache = jax_llama.init_cache(cfg, 2, 8)
-    assert cache["k"].dtype == jnp.bfloat16
+    assert all(c.dtype == jnp.bfloat16 for c in cache["k"] + cache["v"])
     kv = np.zeros((2, 8), np.int32)
     kv[:, :6] = mask
     logits, _ = jstep(params, cfg, ids, pos, cache, 0, kv)  # cache_index traced

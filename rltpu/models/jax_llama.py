@@ -129,11 +129,31 @@ def forward(
     return _logits(params, cfg, x)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, jax.Array]:
-    """Zeroed KV cache: ``k``/``v`` [L, B, S, n_kv_heads, head_dim] (dtype defaults to cfg.dtype)."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, tuple[jax.Array, ...]]:
+    """Zeroed KV cache: ``k``/``v`` are tuples of one ``[B, n_kv_heads, S, head_dim]`` array per layer.
+
+    Why this layout: per-layer arrays are updated in place inside a ``while_loop`` (a slice of one
+    stacked ``[L, ...]`` array is a copy), and kv-major ``[B, kv, S, hd]`` makes one-token decode
+    attention two canonical batched dots (3-4x faster on XLA:CPU than the ``[B, S, kv, hd]`` einsum).
+    ``dtype`` defaults to ``cfg.dtype``.
+    """
     dtype = _DTYPES[cfg.dtype] if dtype is None else dtype
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    return {n: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)) for n in ("k", "v")}
+
+
+def _attend_one(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """One-token GQA decode. q [B, 1, nh, hd]; k, v [B, nkv, S, hd]; allowed [B, S] -> [B, 1, nh*hd].
+
+    Same math as ``_attend`` (fp32 scores and softmax) written as batched dots over (B, kv).
+    """
+    B, _, nh, hd = q.shape
+    nkv = k.shape[1]
+    qg = q.reshape(B, nkv, nh // nkv, hd).astype(_F32)
+    scores = jnp.einsum("bgrd,bgsd->bgrs", qg, k.astype(_F32)) * hd**-0.5  # [B, nkv, rep, S]
+    scores = jnp.where(allowed[:, None, None, :], scores, jnp.finfo(_F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bgrs,bgsd->bgrd", probs, v).reshape(B, 1, nh * hd)
 
 
 def forward_with_cache(
@@ -141,10 +161,10 @@ def forward_with_cache(
     cfg: ModelConfig,
     input_ids: jax.Array,
     positions: jax.Array,
-    cache: dict[str, jax.Array],
+    cache: dict[str, tuple[jax.Array, ...]],
     cache_index: jax.Array | int,
     kv_mask: jax.Array,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict[str, tuple[jax.Array, ...]]]:
     """Run T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
 
     The new tokens' K (after RoPE) and V go to slots ``cache_index .. cache_index+T-1``; the
@@ -153,7 +173,7 @@ def forward_with_cache(
     traced. Slots must not run past S (``dynamic_update_slice`` would clamp the start).
     """
     T = input_ids.shape[1]
-    S = cache["k"].shape[2]
+    S = cache["k"][0].shape[2]
     ci = jnp.asarray(cache_index, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
@@ -162,15 +182,18 @@ def forward_with_cache(
     s = jnp.arange(S, dtype=jnp.int32)
     allowed = (s[None, :] <= q_slot[:, None])[None] & kv_mask.astype(bool)[:, None, :]  # [B, T, S]
     allowed = allowed | (s[None, :] == q_slot[:, None])[None]
-    ck, cv = cache["k"], cache["v"]
+    ks, vs = list(cache["k"]), list(cache["v"])
     for i in range(cfg.num_hidden_layers):
         h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
         q, k, v = _qkv(params, cfg, i, h, cos, sin)  # k, v [B, T, nkv, hd]
-        start = (jnp.int32(i), zero, ci, zero, zero)
-        ck = lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], start)  # [L, B, S, nkv, hd]
-        cv = lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], start)
-        att = _attend(q, ck[i].astype(x.dtype), cv[i].astype(x.dtype), allowed)
+        start = (zero, zero, ci, zero)
+        ks[i] = lax.dynamic_update_slice(ks[i], jnp.swapaxes(k, 1, 2).astype(ks[i].dtype), start)  # [B, nkv, S, hd]
+        vs[i] = lax.dynamic_update_slice(vs[i], jnp.swapaxes(v, 1, 2).astype(vs[i].dtype), start)
+        ki, vi = ks[i].astype(x.dtype), vs[i].astype(x.dtype)
+        if T == 1:
+            att = _attend_one(q, ki, vi, allowed[:, 0])
+        else:
+            att = _attend(q, jnp.swapaxes(ki, 1, 2), jnp.swapaxes(vi, 1, 2), allowed)
         x = x + _linear(att, params[f"model.layers.{i}.self_attn.o_proj.weight"])
         x = _mlp_block(params, cfg, i, x)
-    return _logits(params, cfg, x), {"k": ck, "v": cv}
-
+    return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}
