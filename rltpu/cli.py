@@ -1,6 +1,7 @@
 """``rltpu`` command line.
 
     rltpu train configs/quickstart.yaml [trainer.lr=3e-3 ...] [--address HOST:PORT] [--resume]
+    rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
 
 User errors (config, placement) print one line and exit with code 2, with no traceback.
 """
@@ -53,6 +54,61 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Cost and rank placements for the config; nothing is started (see rltpu/plan)."""
+    import json
+    from pathlib import Path
+
+    from rltpu.plan import make_plan
+    from rltpu.plan import report as plan_report
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hardware = args.hardware
+        measured = None
+        if args.against:
+            from rltpu.plan.calibrate import read_run
+
+            measured = read_run(args.against)
+            if hardware is None and cfg.planner.hardware == "auto" and measured["emulated"]:
+                hardware = "cpu"  # an emulated run is checked against this machine's figures
+        bench = None
+        if (hardware or cfg.planner.hardware) == "cpu":
+            from rltpu.plan.microbench import load_or_run
+
+            bench = load_or_run(rebench=args.rebench)
+        plan = make_plan(cfg, hardware, bench)
+        cmp = None
+        if args.against:
+            from rltpu.plan.calibrate import compare, format_table
+
+            cmp = compare(plan, args.against)
+        if args.write_config:
+            from rltpu.plan.writer import write_config
+
+            write_config(plan, Path(args.write_config))
+    except (ConfigError, ValueError, RuntimeError) as err:
+        return _fail(str(err).splitlines()[0] if str(err) else err.__class__.__name__)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.md").write_text(plan_report.markdown(plan, args.top))
+        (out / "plan.html").write_text(plan_report.html_page(plan, args.top))
+        (out / "plan.json").write_text(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=1,
+                                                  default=str))
+    if args.json:
+        print(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=1, default=str))
+    elif cmp:
+        print(format_table(cmp), end="")
+    else:
+        print(plan_report.markdown(plan, args.top), end="")
+    if args.write_config:
+        print(f"rltpu: wrote {args.write_config} ({plan.best_runnable.name})", file=sys.stderr)
+    if args.out:
+        print(f"rltpu: wrote {args.out}/plan.md, plan.html, plan.json", file=sys.stderr)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``rltpu: error: ...``, exit 2), like config errors."""
 
@@ -71,6 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="override run_dir")
     p.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoint")
     p.set_defaults(func=cmd_train)
+    q = sub.add_parser("plan", help="rank chip placements for a config: memory, step time, why (starts nothing)")
+    q.add_argument("config", help="YAML config (the same file `rltpu train` takes)")
+    q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.topology=4x4")
+    q.add_argument("--hardware", default=None, choices=["cpu", "v4", "v5e", "v5p", "v6e", "7x"],
+                   help="figures to plan with (default: planner.hardware, else cluster.generation)")
+    q.add_argument("--out", default=None, help="write plan.md, plan.html and plan.json into this directory")
+    q.add_argument("--json", action="store_true", help="print the plan as JSON instead of Markdown")
+    q.add_argument("--write-config", default=None, help="write the best placement `rltpu train` can run as YAML")
+    q.add_argument("--against", default=None, help="a finished run dir: predicted vs measured seconds per phase")
+    q.add_argument("--rebench", action="store_true", help="measure this CPU again (cpu hardware only)")
+    q.add_argument("--top", type=int, default=12, help="feasible candidates shown in the reports")
+    q.set_defaults(func=cmd_plan)
     # overrides may come before or after flags (argparse alone stops collecting them at a flag)
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

@@ -225,6 +225,17 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0)  # 0: only the final (and Ctrl-C) checkpoint
 
 
+class PlannerConfig(_Section):
+    """Hints for ``rltpu plan`` only; ``rltpu train`` carries them but never reads them."""
+
+    hardware: Literal["auto", "cpu", "v4", "v5e", "v5p", "v6e", "7x"] = "auto"  # auto: cluster.generation
+    hf_config: str | None = None  # a Hugging Face config.json: model sizes to plan for (no weights needed)
+    prompt_len: int | None = Field(None, ge=1)  # default: the largest sampler.prompt_buckets entry
+    response_len: int | None = Field(None, ge=1)  # default: sampler.max_new_tokens
+    critic: bool = False  # plan room and time for a value model as large as the policy
+    reward_model_params: float = Field(0.0, ge=0)  # a separate reward model's parameter count (0: rule-based)
+
+
 class RunConfig(_Section):
     """The whole job."""
 
@@ -240,6 +251,7 @@ class RunConfig(_Section):
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    planner: PlannerConfig = PlannerConfig()
     progress: bool = True
 
     @model_validator(mode="after")

@@ -1,0 +1,242 @@
+"""Placement candidates for one config, each costed, checked against the mesh, and ranked.
+
+Candidates (all over the chips of ``cluster``):
+* disaggregated: k sampler chips / n-k trainer chips, sampler tensor parallelism = chips per
+  sampler process, trainer FSDP over its processes x TP over the chips of each process;
+* async: the same splits, one step off-policy (sampling overlaps training);
+* colocated: one process per chip group holds both roles; both footprints stay resident (a TPU
+  has no "sleep mode" to free HBM), FSDP over every chip, sampler TP inside each process;
+plus the placement the config asks for, marked ``as_configured``. Chips come from
+``rltpu.topology.assign_roles``, the same function ``rltpu train`` places actors with. The
+reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rltpu.config import ConfigError, PlacementConfig, RunConfig
+from rltpu.plan import costmodel as cm
+from rltpu.plan.hardware import Hardware
+from rltpu.topology import ChipTable, Role, assign_roles
+
+MODES = ("disaggregated", "async", "colocated")
+RUNNABLE_MODES = ("disaggregated",)  # what `rltpu train` runs today (on-policy, disjoint chips)
+
+
+@dataclass
+class Candidate:
+    mode: str
+    sampler_chips: int
+    trainer_chips: int
+    chips_per_sampler: int
+    chips_per_trainer: int
+    reward_on: str | None = None
+    as_configured: bool = False
+    checkpointing: bool = False
+    feasible: bool = True
+    reason: str = ""
+    memory: dict = field(default_factory=dict)  # role -> {item: bytes per chip}
+    capacity: float = 0.0
+    phases: cm.Phases | None = None
+    route: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    ranks: list = field(default_factory=list)  # rank -> chip rows
+    sampler_tp: int = 1
+    trainer_fsdp: int = 1
+    trainer_tp: int = 1
+
+    @property
+    def name(self) -> str:
+        if self.mode == "colocated":
+            base = f"colocated {self.sampler_chips} chips, {self.chips_per_sampler}/process"
+        else:
+            base = (f"{self.mode} {self.sampler_chips}S(tp{self.chips_per_sampler}) + "
+                    f"{self.trainer_chips}T(fsdp{self.trainer_fsdp}xtp{self.chips_per_trainer})")
+        return base + (f", RM on {self.reward_on}" if self.reward_on else "")
+
+    @property
+    def runnable(self) -> bool:
+        return self.mode in RUNNABLE_MODES
+
+    def peak_bytes(self) -> dict[str, float]:
+        return {role: sum(items.values()) for role, items in self.memory.items()}
+
+
+def _bucket(rows: int, buckets: tuple[int, ...]) -> int:
+    """The compiled program's row count: the smallest batch bucket that holds ``rows``."""
+    return next((b for b in buckets if b >= rows), rows)
+
+
+def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape,
+             w: cm.Workload) -> Candidate:
+    """Fill in memory, feasibility, phases, route, warnings and the rank -> chip table."""
+    colocated = c.mode == "colocated"
+    if colocated:
+        per = c.chips_per_sampler  # aligned blocks of each host, in host order (as assign_roles does)
+        samplers = [table.chips_on(*h)[i:i + per] for h in table.hosts()
+                    for i in range(0, len(table.chips_on(*h)) - per + 1, per)]
+        trainers = samplers  # the same processes hold both roles
+        n_s = n_t = len(samplers)
+        fsdp_chips = c.sampler_chips
+    else:
+        placement = PlacementConfig(
+            sampler_chips=c.sampler_chips, trainer_chips=c.trainer_chips, chips_per_sampler=c.chips_per_sampler,
+            chips_per_trainer=c.chips_per_trainer,
+            sampler_chip_ids=cfg.placement.sampler_chip_ids if c.as_configured else None,
+            trainer_chip_ids=cfg.placement.trainer_chip_ids if c.as_configured else None)
+        roles = assign_roles(table, placement)
+        samplers, trainers = roles[Role.SAMPLER], roles[Role.TRAINER]
+        n_s, n_t = len(samplers), len(trainers)
+        fsdp_chips = c.trainer_chips
+    c.sampler_tp, c.trainer_fsdp, c.trainer_tp = c.chips_per_sampler, n_t, c.chips_per_trainer if not colocated else c.chips_per_sampler
+
+    # -- rank -> chip table
+    for role, actors in ((Role.SAMPLER, samplers), (Role.TRAINER, [] if colocated else trainers)):
+        for rank, chips in enumerate(actors):
+            c.ranks.append({"role": "sampler+trainer" if colocated else role.value, "rank": rank,
+                            "slice": chips[0].slice, "host": chips[0].host,
+                            "chips": [ch.global_id for ch in chips], "coords": [list(ch.coords) for ch in chips]})
+    used_hosts = Counter((ch.slice, ch.host) for actors in (samplers, trainers) for chs in actors for ch in chs)
+    if colocated:
+        used_hosts = Counter((ch.slice, ch.host) for chs in samplers for ch in chs)
+
+    # -- memory per chip
+    rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
+    rows_t = w.rows / n_t
+    tokens_per_chip = rows_t * w.seq / c.trainer_tp
+    smem = cm.sampler_memory(m, w, c.chips_per_sampler, rows_s)
+    if c.reward_on != "sampler":
+        smem.pop("reward_model", None)
+
+    def tmem(ckpt: bool) -> dict:
+        out = cm.trainer_memory(m, w, fsdp_chips, tokens_per_chip, ckpt)
+        if c.reward_on == "trainer":
+            out["reward_model"] = w.reward_params * m.bytes / fsdp_chips
+        return out
+
+    if hw.emulated:  # emulated chips share the host's RAM
+        c.capacity = hw.hbm_bytes / max(used_hosts.values())
+    else:
+        c.capacity = hw.hbm_bytes
+    reserve = {"runtime": hw.runtime_reserve_bytes}
+    no_ckpt, ckpt = tmem(False), tmem(True)
+    if colocated:
+        fits = lambda t: sum(t.values()) + sum(smem.values()) + reserve["runtime"] <= c.capacity  # noqa: E731
+        c.checkpointing = not fits(no_ckpt) and fits(ckpt)
+        trainer_mem = ckpt if c.checkpointing else no_ckpt
+        c.memory = {"sampler+trainer": {**{f"sampler {k}": v for k, v in smem.items()},
+                                        **{f"trainer {k}": v for k, v in trainer_mem.items()}, **reserve}}
+    else:
+        fits_t = lambda t: sum(t.values()) + reserve["runtime"] <= c.capacity  # noqa: E731
+        c.checkpointing = not fits_t(no_ckpt) and fits_t(ckpt)
+        trainer_mem = ckpt if c.checkpointing else no_ckpt
+        c.memory = {"sampler": {**smem, **reserve}, "trainer": {**trainer_mem, **reserve}}
+    over = [(role, tot) for role, tot in c.peak_bytes().items() if tot > c.capacity]
+    if over:
+        role, tot = over[0]
+        items = c.memory[role]
+        top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
+        what = "colocated footprint" if colocated else f"{role} shard"
+        c.feasible = False
+        c.reason = (f"{what} {cm.fmt_bytes(tot)} > {cm.fmt_bytes(c.capacity)} "
+                    f"{'RAM per emulated chip' if hw.emulated else 'HBM'} on {hw.name} "
+                    f"(largest: {', '.join(f'{k} {cm.fmt_bytes(v)}' for k, v in top)}"
+                    f"{'; even with activation checkpointing' if not c.checkpointing else ''})")
+
+    # -- mesh mapping: high-traffic dims on ICI inside a slice, DCN only between slices
+    t_slices = [chips[0].slice for chips in trainers]
+    s_slices = Counter(chips[0].slice for chips in samplers)
+    fsdp_link = "ICI" if len(set(t_slices)) <= 1 else "DCN"
+    if fsdp_link == "DCN":
+        c.warnings.append(
+            f"trainer FSDP dimension spans slices {sorted(set(t_slices))}: its all-gathers and reduce-scatters "
+            f"(3x the weights per step) would cross DCN; keep trainer chips inside one slice")
+    for chips in samplers + trainers:
+        if len({(ch.slice, ch.host) for ch in chips}) > 1:  # assign_roles forbids it; kept as a guard
+            c.warnings.append(f"an actor's tensor-parallel dimension crosses hosts at chips "
+                              f"{[ch.global_id for ch in chips]}")
+
+    # -- time
+    oversub_s = max(1.0, n_s / hw.cpu["cores"]) if hw.emulated else 1.0  # emulated chips share cores
+    oversub_t = max(1.0, n_t / hw.cpu["cores"]) if hw.emulated else 1.0
+    sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s)
+    if c.reward_on == "trainer" and "reward_model" in sample:
+        sample.pop("reward_model")
+    train = cm.train_seconds(hw, m, w, n_t, c.trainer_tp, rows_t, c.checkpointing, fsdp_link)
+    if c.reward_on == "trainer" and w.reward_params:
+        peak = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu * c.trainer_tp
+        train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
+    c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated)
+    sample_s = sum(sample.values()) * oversub_s
+    train_s = sum(train.values()) * oversub_t
+    sync_s = sum(h.seconds for h in c.route)
+    host_s = w.rows * cm.HOST_S_PER_ROW
+    n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
+    c.phases = cm.Phases(
+        sample=sample_s, host=host_s, train=train_s, sync=sync_s,
+        step=cm.step_seconds(c.mode, sample_s, host_s, train_s, sync_s,
+                             cores=hw.cpu["cores"] if hw.emulated else None, n_samplers=n_s, n_trainers=n_t),
+        compile=cm.compile_seconds(hw, m, n_cells, 2 if not hw.emulated else 0),
+        detail={"sample": sample, "train": train, "oversubscription": {"sample": oversub_s, "train": oversub_t},
+                "rows_per_sampler_program": rows_s, "rows_per_trainer": rows_t},
+    )
+    return c
+
+
+def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
+    n, cph = table.num_chips, table.chips_per_host
+    sizes = [s for s in (1, 2, 4, 8) if s <= cph]
+    w_rows = cfg.trainer.prompts_per_step * cfg.sampler.group_size
+    rm_places = ["sampler", "trainer"] if cfg.planner.reward_model_params else [None]
+    out: list[Candidate] = []
+
+    def ok_split(n_s: int, n_t: int) -> bool:
+        return cfg.trainer.prompts_per_step % n_s == 0 and w_rows % n_t == 0
+
+    step = 1 if n <= 32 else cph
+    for cps in sizes:
+        for cpt in sizes:
+            for k in range(cps, n, cps):
+                if k % step and k != cps:
+                    continue
+                tch = (n - k) // cpt * cpt
+                if tch < cpt or not ok_split(k // cps, tch // cpt):
+                    continue
+                for rm in rm_places:
+                    for mode in ("disaggregated", "async"):
+                        out.append(Candidate(mode, k, tch, cps, cpt, reward_on=rm))
+    for cpp in sizes:
+        if n % cpp == 0 and ok_split(n // cpp, n // cpp):
+            for rm in rm_places:
+                out.append(Candidate("colocated", n, n, cpp, cpp, reward_on=rm))
+    p = cfg.placement
+    mine = [c for c in out if c.mode == "disaggregated" and
+            (c.sampler_chips, c.trainer_chips, c.chips_per_sampler, c.chips_per_trainer) ==
+            (p.sampler_chips, p.trainer_chips, p.chips_per_sampler, p.chips_per_trainer)]
+    if mine and p.sampler_chip_ids is None and p.trainer_chip_ids is None:
+        for c in mine:
+            c.as_configured = True
+    else:
+        out.insert(0, Candidate("disaggregated", p.sampler_chips, p.trainer_chips, p.chips_per_sampler,
+                                p.chips_per_trainer, reward_on=rm_places[0], as_configured=True))
+    return out
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """Feasible first, fastest step first; infeasible ones keep their reason, after them."""
+    return sorted(cands, key=lambda c: (not c.feasible, c.phases.step if c.phases else float("inf")))
+
+
+def evaluate_all(cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape, w: cm.Workload) -> list[Candidate]:
+    out = []
+    for c in enumerate_candidates(cfg, table):
+        try:
+            out.append(evaluate(c, cfg, table, hw, m, w))
+        except ConfigError as err:  # assign_roles cannot place it on these hosts
+            if c.as_configured:
+                raise
+            c.feasible, c.reason = False, str(err)
+            out.append(c)
+    return rank(out)

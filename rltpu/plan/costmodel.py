@@ -1,0 +1,363 @@
+"""The cost model: memory per chip per role and seconds per phase for one placement candidate.
+
+Every number is a closed formula over the model shape, the workload and a ``Hardware`` entry, so
+tests can recompute it by hand. Roofline on TPU: decode is bandwidth-bound (weights + KV cache
+streamed once per token), prefill and training are FLOP-bound at a stated efficiency, collectives
+are bytes over the link they cross (ICI inside a slice, DCN between slices) at a stated efficiency.
+On the ``cpu`` entry GEMMs run at the FLOP/s measured at the model's width, and what a TPU would
+fuse away is costed explicitly: unfused elementwise traffic at the measured memory bandwidth,
+per-op eager dispatch, gloo latency per collective, a Ray round trip per phase.
+
+Memory (bytes per chip), FSDP over ``f`` trainer chips (all of them shard every tensor):
+    weights  P*b/f     grads  P*b/f     AdamW states  2*P*b/f (torch keeps them in the param dtype)
+    reference model P*b/f (kl_coef > 0), critic 4*P*b/f, activations per token (see ``_act_*``)
+Sampler (tensor parallel over the ``t`` chips of one process): weights P*b/t, KV cache
+    rows * (prompt + new) * 2*L*kv_dim*b / t, plus one layer's prefill working set and the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rltpu.config import ConfigError, ModelConfig, RunConfig
+from rltpu.plan.hardware import GiB, Hardware
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+PRECISION_PASSES = {"medium": 1, "high": 3, "highest": 6}  # MXU passes for fp32 inputs (hardware md)
+
+# Elementwise traffic per token per layer, in values read+written (stated from the op list of
+# rltpu/models: two RMSNorms, RoPE on q and k, softmax, SiLU*up, two residual adds). Torch eager
+# runs each op separately (~30*H + 8*I); XLA fuses chains into their GEMMs (~8*H + 4*I).
+EAGER_ELEMWISE = (30, 8)
+FUSED_ELEMWISE = (8, 4)
+EAGER_OPS_PER_LAYER = 40  # torch ops per decoder layer forward (backward: 2x)
+EAGER_OPS_FIXED = 60  # embedding, final norm, head, logprobs, loss, clip, AdamW foreach
+HOST_S_PER_ROW = 20e-6  # driver: decode + reward_fn + advantages per completion (stated)
+COMPILE_BASE_S, COMPILE_PER_LAYER_S = 3.0, 1.0  # one XLA program; rough assumption, not calibrated
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype: str
+
+    @classmethod
+    def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
+        return cls(m.num_hidden_layers, m.hidden_size, m.intermediate_size, m.num_attention_heads,
+                   m.num_key_value_heads, m.head_dim, vocab, m.tie_word_embeddings, m.dtype)
+
+    @property
+    def bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        H, q = self.hidden, self.heads * self.head_dim
+        return H * q * 2 + H * self.kv_dim * 2 + 3 * H * self.inter + 2 * H
+
+    @property
+    def params(self) -> int:
+        """Same count as ``rltpu.models.param_shapes`` (embedding, layers, final norm, untied head)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights each token multiplies by (2 FLOPs each): every linear layer and the head."""
+        return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_dim * self.bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    group: int
+    prompt_len: int  # the prompt bucket the sampler compiles (padded length)
+    new_tokens: int
+    ppo_epochs: int = 1
+    reference: bool = False  # kl_coef > 0: a frozen copy of the policy, forward only
+    critic: bool = False  # a value model as large as the policy, trained (PPO-style)
+    reward_params: float = 0.0  # a separate reward model, forward only (0: rule-based reward)
+    precision: str = "highest"
+    bucket_mb: float = 16.0
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group
+
+    @property
+    def seq(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "Workload":
+        pl = cfg.planner
+        return cls(
+            prompts=cfg.trainer.prompts_per_step, group=cfg.sampler.group_size,
+            prompt_len=pl.prompt_len or max(cfg.sampler.prompt_buckets),
+            new_tokens=pl.response_len or cfg.sampler.max_new_tokens, ppo_epochs=cfg.trainer.ppo_epochs,
+            reference=cfg.trainer.kl_coef > 0, critic=pl.critic, reward_params=pl.reward_model_params,
+            precision=cfg.backend.matmul_precision, bucket_mb=cfg.sync.bucket_mb,
+        )
+
+
+def model_shape(cfg: RunConfig) -> ModelShape:
+    """From ``planner.hf_config`` (a Hugging Face config.json) if set, else the ``model`` section."""
+    m = cfg.model
+    if cfg.planner.hf_config:
+        p = Path(cfg.planner.hf_config)
+        try:
+            hf = json.loads(p.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"planner.hf_config={str(p)!r} is not a readable JSON file ({err.__class__.__name__}); "
+                              f"point it at a Hugging Face config.json") from None
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in keys if k not in hf]
+        if missing:
+            raise ConfigError(f"planner.hf_config={str(p)!r} lacks {missing[0]}; is it a Llama-style config.json?")
+        heads = hf["num_attention_heads"]
+        return ModelShape(hf["num_hidden_layers"], hf["hidden_size"], hf["intermediate_size"], heads,
+                          hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads,
+                          hf.get("vocab_size", 32000), bool(hf.get("tie_word_embeddings", False)), m.dtype)
+    vocab = m.vocab_size
+    if vocab is None:
+        from rltpu.tokenizer import CharTokenizer
+
+        vocab = CharTokenizer().vocab_size
+    return ModelShape.from_config(m, vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def _act_bytes_per_token(m: ModelShape, seq: int, checkpointing: bool) -> float:
+    """Activations a training forward keeps for backward, per token (all layers + logits).
+
+    Without checkpointing each layer keeps ~ (8*H + 4*I) values in the compute dtype plus fp32
+    attention scores and probabilities (2 * heads * seq * 4 bytes). With checkpointing only each
+    layer's input (H values) is kept, and one layer's full set is rebuilt at a time. Logits and
+    their log-softmax are fp32 (2 * V * 4 bytes).
+    """
+    per_layer = (8 * m.hidden + 4 * m.inter) * m.bytes + 2 * m.heads * seq * 4
+    logits = 2 * m.vocab * 4
+    if checkpointing:
+        return m.layers * m.hidden * m.bytes + per_layer + logits
+    return m.layers * per_layer + logits
+
+
+def trainer_memory(m: ModelShape, w: Workload, fsdp_chips: int, tokens_per_chip: float,
+                   checkpointing: bool) -> dict[str, float]:
+    P, b, f = m.params, m.bytes, fsdp_chips
+    mem = {"weights": P * b / f, "grads": P * b / f, "adam_states": 2 * P * b / f}
+    if w.reference:
+        mem["reference"] = P * b / f
+    if w.critic:
+        mem["critic"] = 4 * P * b / f
+    # FSDP all-gathers one decoder layer at a time (plus the next one, prefetched)
+    mem["fsdp_gather"] = 2 * m.layer_params * b if f > 1 else 0.0
+    mem["activations"] = tokens_per_chip * _act_bytes_per_token(m, w.seq, checkpointing)
+    return mem
+
+
+def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, float]:
+    mem = {
+        "weights": m.params * m.bytes / tp,
+        "kv_cache": rows * w.seq * m.kv_bytes_per_token / tp,
+        # one layer of the prefill at a time: hidden + MLP intermediates; logits of the batch (fp32)
+        "prefill_work": rows * w.prompt_len * (4 * m.hidden + 3 * m.inter) * m.bytes / tp,
+        "logits": 2 * rows * m.vocab * 4,
+    }
+    if w.reward_params:
+        mem["reward_model"] = w.reward_params * m.bytes / tp
+    return mem
+
+
+# ---------------------------------------------------------------------------------------------
+# Time
+
+
+def matmul_passes(hw: Hardware, m: ModelShape, w: Workload) -> int:
+    """fp32 inputs on TPU cost 1/3/6 MXU passes (medium/high/highest); bf16 and the CPU cost 1."""
+    if hw.emulated or m.dtype != "float32":
+        return 1
+    return PRECISION_PASSES[w.precision]
+
+
+def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, float]:
+    """One sampler replica: prefill of ``rows`` prompts, then ``new_tokens`` decode steps.
+
+    The compiled loop runs every step of the bucket (rows stop early only when all of them do).
+    Each decode step attends over the whole static cache of length prompt + new tokens.
+    """
+    P, T, S, H, L = w.prompt_len, w.new_tokens, w.seq, m.hidden, m.layers
+    passes = matmul_passes(hw, m, w)
+    f_prefill = 2 * m.matmul_params * rows * P + 4 * rows * P * P * H * L
+    f_step = 2 * m.matmul_params * rows + 4 * rows * S * H * L
+    out: dict[str, float] = {}
+    if hw.emulated:
+        flops = hw.gemm_flops(H, "jax")
+        traffic = rows * S * L * (FUSED_ELEMWISE[0] * H + FUSED_ELEMWISE[1] * m.inter) * 4
+        out["prefill"] = f_prefill / flops
+        out["decode"] = T * f_step / flops + T * hw.cpu["jax_loop_iter_s"]
+        out["elementwise"] = traffic / hw.hbm_bw
+        out["dispatch"] = hw.cpu["ray"]["call_s"]
+        return out
+    peak = hw.peak_flops * tp / passes
+    out["prefill"] = f_prefill / (peak * hw.prefill_mfu)
+    stream = (m.params * m.bytes + rows * S * m.kv_bytes_per_token) / tp  # weights + KV, once per token
+    out["decode"] = T * max(stream / (hw.hbm_bw * hw.bw_eff), f_step / (peak * hw.prefill_mfu))
+    if tp > 1:  # two all-reduces of the activations per layer per token (Megatron-style TP)
+        ar = 2 * (tp - 1) / tp * rows * H * m.bytes / (hw.ici_bw * hw.link_eff) + hw.collective_latency_s
+        out["tp_allreduce"] = (T + 1) * 2 * L * ar
+    if w.reward_params:
+        out["reward_model"] = 2 * w.reward_params * rows * S / (peak * hw.prefill_mfu)
+    return out
+
+
+def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, rows_per_actor: float,
+                  checkpointing: bool, fsdp_link: str) -> dict[str, float]:
+    """One trainer actor's share of the update (all actors run in parallel).
+
+    FLOPs per epoch: 6 * matmul params * tokens (+2 with checkpointing: the forward again) plus
+    attention 12 * tokens * seq * H * L; a reference model adds a forward, a critic a full update.
+    FSDP moves 3x the weights per epoch (all-gather forward and backward, reduce-scatter grads).
+    """
+    tokens = rows_per_actor * w.seq
+    H, L = m.hidden, m.layers
+    mult = 6 + (2 if checkpointing else 0) + (2 if w.reference else 0) + (6 if w.critic else 0)
+    flops = w.ppo_epochs * (mult * m.matmul_params * tokens + 12 * tokens * w.seq * H * L)
+    fsdp_bytes = w.ppo_epochs * 3 * m.params * m.bytes * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
+    opt_bytes = w.ppo_epochs * 7 * m.params * m.bytes / (fsdp * tp)  # read p, g, m, v; write p, m, v
+    out: dict[str, float] = {}
+    if hw.emulated:
+        cpu = hw.cpu
+        out["gemm"] = flops / hw.gemm_flops(H, "torch")
+        e, i = EAGER_ELEMWISE
+        out["elementwise"] = w.ppo_epochs * 3 * tokens * (L * (e * H + i * m.inter) + 8 * m.vocab) * 4 / hw.hbm_bw
+        out["optimizer"] = opt_bytes / hw.hbm_bw
+        n_ops = w.ppo_epochs * 3 * (EAGER_OPS_PER_LAYER * L + EAGER_OPS_FIXED)
+        out["dispatch"] = n_ops * cpu["torch_op_s"] + cpu["ray"]["call_s"]
+        if fsdp > 1:  # gloo blocks: nothing overlaps; 3 collectives per FSDP unit (layers + root) + grad norm
+            n_coll = w.ppo_epochs * (3 * (L + 1) + 2)
+            out["fsdp_comm"] = n_coll * cpu["gloo"]["allgather_latency_s"] + fsdp_bytes / cpu["gloo"]["bcast_bw"]
+        return out
+    passes = matmul_passes(hw, m, w)
+    compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)
+    bw = (hw.ici_bw if fsdp_link == "ICI" else hw.dcn_bw) * hw.link_eff
+    lat = hw.collective_latency_s if fsdp_link == "ICI" else hw.dcn_latency_s
+    comm = fsdp_bytes / bw + w.ppo_epochs * 3 * (L + 1) * lat if fsdp > 1 else 0.0
+    # FSDP prefetch overlaps gathers with compute: only the part that exceeds compute shows
+    out["compute"] = compute
+    out["fsdp_comm_exposed"] = max(0.0, comm - compute) + (comm / max(L, 1) / 3 if fsdp > 1 else 0.0)
+    out["optimizer"] = opt_bytes / (hw.hbm_bw * hw.bw_eff)
+    return out
+
+
+@dataclass
+class Hop:
+    what: str
+    link: str  # ICI, DCN, loopback (gloo on this machine), local (same process)
+    src: str
+    dst: str
+    bytes: float
+    seconds: float
+
+
+def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slices: list[int],
+               sampler_slices: dict[int, int], n_samplers: int, colocated: bool) -> list[Hop]:
+    """Weight sync, hop by hop, after the weight-sync design: gather the FSDP shards on trainer
+    0, then send the full weights across DCN once per remote slice that holds samplers, then
+    broadcast inside each slice over ICI. Colocated: an in-process reshard (all-gather only).
+
+    ``sampler_slices`` maps slice -> sampler actors on it. On the cpu entry every link is gloo on
+    loopback: per-tensor all-gathers (``full_tensor``), a header broadcast and a verdict
+    all-reduce, then each bucket broadcast one-to-all (gloo sends to each receiver in turn).
+    """
+    W = m.params * m.bytes
+    n_tensors = 1 + 9 * m.layers + 1 + (0 if m.tied else 1)
+    hops: list[Hop] = []
+    if hw.emulated:
+        g = hw.cpu["gloo"]
+        bw, lat = g["bcast_bw"], g["allgather_latency_s"]
+        if fsdp > 1:
+            hops.append(Hop("FSDP all-gather of full weights (one per tensor)", "loopback", "trainers", "trainer 0",
+                            W * (fsdp - 1) / fsdp, n_tensors * lat + W * (fsdp - 1) / fsdp / bw))
+        n_buckets = max(1, math.ceil(W / (w.bucket_mb * 2**20)))
+        hops.append(Hop("header + verdict + bucket broadcasts (one-to-all)", "loopback", "trainer 0",
+                        f"{n_samplers} samplers", W * n_samplers,
+                        (2 + n_buckets) * g["bcast_latency_s"] + n_samplers * W / bw))
+        hops.append(Hop("Ray dispatch of push/receive", "local", "driver", "actors", 0.0, hw.cpu["ray"]["fanout4_s"]))
+        return hops
+    ici = hw.ici_bw * hw.link_eff
+    if fsdp > 1:
+        link = "ICI" if len(set(trainer_slices)) == 1 else "DCN"
+        bw = ici if link == "ICI" else hw.dcn_bw * hw.link_eff
+        hops.append(Hop("FSDP all-gather of full weights", link, "trainers", "trainer 0" if not colocated else "every chip",
+                        W * (fsdp - 1) / fsdp, W * (fsdp - 1) / fsdp / bw + hw.collective_latency_s))
+    if colocated:
+        return hops
+    src_slice = trainer_slices[0]
+    for s in sorted(sampler_slices):
+        if s != src_slice:
+            hops.append(Hop(f"full weights to slice {s} (once)", "DCN", f"slice {src_slice} trainer 0",
+                            f"slice {s} sampler leader", W, W / (hw.dcn_bw * hw.link_eff) + hw.dcn_latency_s))
+    for s, k in sorted(sampler_slices.items()):
+        if k > (0 if s == src_slice else 1):  # receivers left on this slice after the DCN leader
+            hops.append(Hop(f"broadcast inside slice {s}", "ICI", f"slice {s}", f"{k} samplers", W,
+                            W / ici + math.ceil(math.log2(k + 1)) * hw.collective_latency_s))
+    return hops
+
+
+def compile_seconds(hw: Hardware, m: ModelShape, cells: int, trainer_programs: int) -> float:
+    """One-off: every sampler grid cell, plus the trainer's programs on TPU (eager on cpu).
+    Rough and uncalibrated: reported, never ranked on."""
+    per = COMPILE_BASE_S + COMPILE_PER_LAYER_S * m.layers
+    return cells * per + (0 if hw.emulated else trainer_programs * per * 2)
+
+
+@dataclass
+class Phases:
+    sample: float
+    host: float
+    train: float
+    sync: float
+    step: float
+    compile: float
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_seconds(mode: str, sample: float, host: float, train: float, sync: float, cores: int | None = None,
+                 n_samplers: int = 1, n_trainers: int = 1) -> float:
+    """On-policy (disaggregated or colocated): phases run one after another. One-step
+    off-policy: sampling of step k+1 overlaps training of step k; the sync is still exposed.
+    Emulated chips share ``cores``: overlap cannot beat the cores' total busy time."""
+    if mode == "async":
+        overlap = max(sample, host + train)
+        if cores:
+            overlap = max(overlap, (sample * n_samplers + train * n_trainers) / cores + host)
+        return overlap + sync
+    return sample + host + train + sync
+
+
+def fmt_bytes(x: float) -> str:
+    return f"{x / GiB:.2f} GiB" if x >= 0.1 * GiB else f"{x / 2**20:.1f} MiB"

@@ -1,0 +1,43 @@
+"""``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts.
+
+Only ``placement`` changes (plus a sampler batch bucket when a sampler now gets more rows than
+the largest one holds). The result is validated with the same schema and ``assign_roles`` that
+``rltpu train`` runs before starting anything, so a written file cannot fail on placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rltpu.config import ConfigError, build_config
+from rltpu.plan import Plan
+from rltpu.topology import ChipTable, assign_roles
+
+
+def placed_config(plan: Plan) -> dict:
+    c = plan.best_runnable
+    if c is None:
+        raise ConfigError(f"no placement that `rltpu train` can run fits on {plan.table.describe()}; "
+                          f"see the plan's reasons (more chips, a smaller model or fewer prompts per step)")
+    data = plan.cfg.to_dict()
+    data["placement"] = {"sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
+                         "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer}
+    rows = plan.workload.rows // (c.sampler_chips // c.chips_per_sampler)
+    buckets = list(data["sampler"]["batch_buckets"])
+    if rows > max(buckets):
+        data["sampler"]["batch_buckets"] = sorted({*buckets, rows})
+    cfg = build_config(data)
+    assign_roles(ChipTable.build(cfg.cluster, emulated=True), cfg.placement)
+    return cfg.to_dict()
+
+
+def write_config(plan: Plan, path: Path) -> None:
+    data = placed_config(plan)
+    c = plan.best_runnable
+    head = (f"# written by `rltpu plan` ({plan.hw.name}{', emulated' if plan.hw.emulated else ''}): {c.name}\n"
+            f"# predicted step {c.phases.step:.4g} s (sample {c.phases.sample:.4g}, train {c.phases.train:.4g}, "
+            f"sync {c.phases.sync:.4g})\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head + yaml.safe_dump(data, sort_keys=False))
