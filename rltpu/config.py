@@ -126,14 +126,29 @@ class ModelConfig(_Section):
         return self.hidden_size // self.num_attention_heads
 
 
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
 class TaskConfig(_Section):
-    """The prompt source and the reward. Built-in synthetic tasks need no download."""
+    """The prompt source and the reward.
+
+    Without ``dataset`` a built-in synthetic task (``name``) is used: no download, char tokenizer.
+    With ``dataset`` prompts come from a JSONL/JSON/Parquet file (``rltpu.datasets``): a text
+    column ``prompt_key`` or chat messages ``messages_key`` (rendered with the tokenizer's chat
+    template); every other column reaches the reward function in ``example``.
+    """
 
     name: Literal["copy", "reverse", "sort"] = "copy"
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
     reward_fn: str = "rltpu.rewards:partial_credit"  # any importable ``module:function``
+    reward_kwargs: dict[str, Any] = {}  # keyword arguments bound to reward_fn (e.g. {column: answer})
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
+    dataset: str | None = None  # prompt file (.jsonl / .json / .parquet); None = the synthetic task
+    prompt_key: str = "prompt"  # text prompt column
+    messages_key: str = "messages"  # chat column: a list of {role, content}; used when a row has it
+    shuffle: bool = True  # reshuffle the file every epoch (by seed and epoch); False = file order
+    tokenizer: str | None = None  # local HF tokenizer dir; None = model.path if set, else the char tokenizer
 
     @model_validator(mode="after")
     def _range(self) -> "TaskConfig":
@@ -141,6 +156,11 @@ class TaskConfig(_Section):
             raise ValueError(f"min_digits={self.min_digits} > max_digits={self.max_digits}")
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
             raise ValueError(f"reward_fn must be 'module:function', got {self.reward_fn!r}")
+        if self.dataset is not None and not self.dataset.lower().endswith(DATASET_SUFFIXES):
+            raise ValueError(f"dataset {self.dataset!r} must end in {', '.join(DATASET_SUFFIXES)} "
+                             f"(JSON Lines, a JSON list of objects, or Parquet)")
+        if self.prompt_key == self.messages_key:
+            raise ValueError(f"prompt_key and messages_key are both {self.prompt_key!r}; they name different columns")
         return self
 
 

@@ -24,11 +24,10 @@ import numpy as np
 
 from rltpu.cluster import PlacementError, start_or_join
 from rltpu.config import RunConfig, save_config
-from rltpu.data import SyntheticPromptDataset
+from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.metrics import MetricsWriter
 from rltpu.rewards import load_reward_fn
 from rltpu.rollout import build_train_batch, merge_generations, score, split_by_rank, split_prompts
-from rltpu.tokenizer import CharTokenizer
 from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
 from rltpu.weight_sync import param_spec
 
@@ -45,10 +44,13 @@ class Controller:
         self.run_dir = cfg.resolved_run_dir
         self.table = ChipTable.build(cfg.cluster)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
-        self.tokenizer = CharTokenizer()
-        self.vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        self.reward_fn = load_reward_fn(cfg.task.reward_fn)
-        self.data = SyntheticPromptDataset.from_config(cfg.task, cfg.seed)
+        # one factory for both data sources: the built-in task + char tokenizer, or a prompt file +
+        # a Hugging Face tokenizer (whose extra EOS ids become sampler stop tokens)
+        self.tokenizer = build_tokenizer(cfg)
+        self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
+        self.vocab = resolve_vocab(cfg, self.tokenizer)
+        self.reward_fn = load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
+        self.data = build_dataset(cfg, self.tokenizer)
         self.spec = param_spec(cfg.model, self.vocab)
         self.probe = self.probe_batch()
         self.samplers, self.trainers, self.reports = [], [], []
@@ -221,7 +223,8 @@ class Controller:
         t_step = time.perf_counter()
         self._phase = "sample"
         examples = self.data.next_batch(cfg.trainer.prompts_per_step)
-        prompt_ids = [self.tokenizer.encode(e["prompt"]) for e in examples]
+        prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
+        check_prompt_lengths(prompt_ids, examples, cfg.sampler)
         shards = split_prompts(prompt_ids, len(self.samplers))
         seed = cfg.seed * 1_000_003 + self.step_idx * 131
         t0 = time.perf_counter()
@@ -274,9 +277,10 @@ class Controller:
                 "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
     def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A fixed probe: a few task prompts plus answers, right-padded."""
-        rows = [self.tokenizer.encode(e["prompt"] + e["answer"]) for e in
-                (SyntheticPromptDataset.from_config(self.cfg.task, 12345).next_batch(4))]
+        """A fixed probe from the dataset (synthetic: prompts plus answers; a file: its first
+        prompts), cut to what the sampler's grid can hold, right-padded."""
+        limit = max(self.cfg.sampler.prompt_buckets) + self.cfg.sampler.max_new_tokens
+        rows = [self.tokenizer.encode(text, add_bos=bos)[-limit:] for text, bos in self.data.probe_texts(4)]
         L = max(map(len, rows))
         tokens = np.zeros((len(rows), L), np.int64)
         mask = np.zeros((len(rows), L), np.int64)

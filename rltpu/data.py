@@ -63,6 +63,15 @@ class SyntheticPromptDataset:
             out.append(make_example(self.task, idx, self.seed, self.min_digits, self.max_digits))
         return out
 
+    def encode(self, example: dict, tokenizer) -> list[int]:
+        """Prompt ids (same interface as ``rltpu.datasets.PromptDataset``)."""
+        return tokenizer.encode(example["prompt"])
+
+    def probe_texts(self, n: int) -> list[tuple[str, bool]]:
+        """``n`` fixed prompt+answer texts (from another seed) as (text, add_bos) for the sync probe."""
+        other = SyntheticPromptDataset(self.task, self.num_prompts, 12345, self.min_digits, self.max_digits)
+        return [(e["prompt"] + e["answer"], True) for e in other.next_batch(n)]
+
     def state_dict(self) -> dict:
         return {"epoch": self.cursor.epoch, "position": self.cursor.position}
 

@@ -1,13 +1,19 @@
 """Reward functions: ``fn(completion: str, example: dict) -> float in [0, 1]``.
 
 Pluggable by import path (``task.reward_fn: "my_pkg.rewards:exact"``); the example dict carries the
-prompt and any extra fields (here ``answer``).
+prompt and any extra fields (the synthetic tasks' ``answer``, or every extra column of a dataset
+file). ``task.reward_kwargs`` binds keyword arguments (e.g. ``{column: reference}``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import unicodedata
 from typing import Callable
+
+from rltpu.config import ConfigError
 
 RewardFn = Callable[[str, dict], float]
 
@@ -27,8 +33,30 @@ def exact_match(completion: str, example: dict) -> float:
     return float(completion == example["answer"])
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """Import ``module:function``; a bad path is a one-line error naming it."""
+def normalize_answer(text) -> str:
+    """Unicode-NFKC, case-folded, whitespace collapsed, surrounding punctuation/quotes stripped:
+    ``"  The Answer is 42. "`` and ``"the answer is 42"`` compare equal."""
+    text = " ".join(unicodedata.normalize("NFKC", str(text)).casefold().split())
+    return text.strip(" .,!?;:\"'`")
+
+
+def exact_answer(completion: str, example: dict, column: str = "answer") -> float:
+    """1.0 when the normalised completion equals the normalised ``example[column]`` (a dataset
+    column; a list there means any of its entries is accepted), else 0.0.
+
+    Use with a dataset file: ``task.reward_fn: rltpu.rewards:exact_answer`` and, for a column not
+    called ``answer``, ``task.reward_kwargs: {column: reference}``.
+    """
+    if column not in example:
+        raise ConfigError(f"rltpu.rewards:exact_answer: the example has no '{column}' column (it has: "
+                          f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
+    refs = example[column] if isinstance(example[column], (list, tuple)) else [example[column]]
+    got = normalize_answer(completion)
+    return float(any(got == normalize_answer(r) for r in refs))
+
+
+def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
+    """Import ``module:function`` and bind ``kwargs``; a bad path or keyword is a one-line error."""
     module_name, _, fn_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -37,4 +65,11 @@ def load_reward_fn(path: str) -> RewardFn:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"task.reward_fn={path!r}: module {module_name!r} has no function {fn_name!r}")
-    return fn
+    if not kwargs:
+        return fn
+    try:
+        inspect.signature(fn).bind_partial("", {}, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"task.reward_kwargs {sorted(kwargs)} do not fit {path} ({err}); "
+                         f"use the function's keyword parameters") from None
+    return functools.partial(fn, **kwargs)

@@ -1,0 +1,290 @@
+"""Prompt datasets from files, and the one factory the controller uses for tokenizer and data.
+
+    build_tokenizer(cfg)        -> CharTokenizer | HFTokenizer
+    build_dataset(cfg, tok)     -> SyntheticPromptDataset | PromptDataset
+
+A prompt file is JSON Lines (``.jsonl``), a JSON list of objects (``.json``) or Parquet
+(``.parquet``, needs ``pip install 'rltpu[data]'``). Each row has a text prompt
+(``task.prompt_key``, default ``prompt``) or chat messages (``task.messages_key``, default
+``messages``: a list of ``{"role", "content"}``, rendered with the tokenizer's chat template and
+``add_generation_prompt=True``; messages win when a row has both). Every other column is passed
+through to the reward function in ``example`` (e.g. a reference ``answer``); ``example["prompt"]``
+is always the text the policy saw, ``example["id"]`` the row index unless the file has an ``id``.
+
+Both dataset kinds share one interface: ``next_batch(n)``, ``encode(example, tokenizer)``,
+``probe_texts(n)``, ``cursor`` and ``state_dict``/``load_state_dict`` (epoch, position), so the
+controller and its checkpoints treat them alike. The order within an epoch is a permutation drawn
+from ``(seed, epoch)`` alone, so the cursor is all a resume needs.
+
+Every problem with a file is a :class:`DatasetError`: one line with the file, line/row and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from rltpu.config import ConfigError
+from rltpu.data import Cursor, SyntheticPromptDataset
+from rltpu.tokenizer import CharTokenizer
+
+
+class DatasetError(ConfigError):
+    """A prompt file that cannot be used: one line naming the file, the line/row and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def tokenizer_dir(cfg) -> str | None:
+    """The tokenizer directory: ``task.tokenizer``, else ``model.path`` once models load from
+    Hugging Face directories (read with getattr so this works before that field exists)."""
+    return cfg.task.tokenizer or getattr(cfg.model, "path", None)
+
+
+def build_tokenizer(cfg):
+    """``HFTokenizer`` from :func:`tokenizer_dir`, or the built-in ``CharTokenizer`` when none is set."""
+    directory = tokenizer_dir(cfg)
+    if directory is None:
+        return CharTokenizer()
+    from rltpu.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer(directory)
+
+
+def resolve_vocab(cfg, tokenizer) -> int:
+    """The model's vocabulary: ``model.vocab_size`` (may exceed the tokenizer, as in padded HF
+    checkpoints) or the tokenizer's size; smaller than the tokenizer is a config error."""
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size} ids; "
+                          f"raise it or leave it unset to take the tokenizer's size")
+    return vocab
+
+
+def with_tokenizer_stops(cfg, tokenizer):
+    """``cfg`` with the tokenizer's extra stop ids (``generation_config.json`` EOS list) appended to
+    ``sampler.stop_token_ids``, so every sampler actor stops on them (idempotent on resume)."""
+    extra = [i for i in getattr(tokenizer, "stop_ids", ()) if i != tokenizer.eos_id]
+    merged = tuple(dict.fromkeys((*cfg.sampler.stop_token_ids, *extra)))
+    if merged == tuple(cfg.sampler.stop_token_ids):
+        return cfg
+    return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"stop_token_ids": merged})})
+
+
+def check_prompt_lengths(prompt_ids: list[list[int]], examples: list[dict], sampler_cfg) -> None:
+    """Fail before sampling when a prompt exceeds the largest ``sampler.prompt_buckets`` entry
+    and ``sampler.truncate_prompts`` is off (the sampler would raise the same inside an actor)."""
+    limit = max(sampler_cfg.prompt_buckets)
+    if sampler_cfg.truncate_prompts:
+        return
+    for ids, ex in zip(prompt_ids, examples):
+        if len(ids) > limit:
+            head = ex.get("prompt", "")[:40]
+            raise DatasetError(
+                f"prompt {ex.get('id')!r} ({head!r}...) is {len(ids)} tokens but the largest sampler.prompt_buckets "
+                f"entry is {limit}; add a bucket >= {len(ids)} or set sampler.truncate_prompts=true"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
+    rows, where = [], []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON at column {err.colno} ({err.msg}); each line "
+                                   f"must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: a line is a JSON {type(row).__name__}, expected an object "
+                                   f"like {{\"prompt\": \"...\"}}")
+            rows.append(row)
+            where.append(f"{path}:{lineno}")
+    return rows, where
+
+
+def _read_json(path: Path) -> tuple[list[dict], list[str]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}:{err.lineno}: malformed JSON at column {err.colno} ({err.msg}); a .json dataset "
+                           f"is one list of objects (use .jsonl for one object per line)") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: holds a JSON {type(data).__name__}; a .json dataset is a list of objects "
+                           f"(use .jsonl for one object per line)")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}: item {i} is a JSON {type(row).__name__}, expected an object")
+    return data, [f"{path} item {i}" for i in range(len(data))]
+
+
+def _read_parquet(path: Path, prompt_key: str, messages_key: str) -> tuple[list[dict], list[str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"reading {path} needs pyarrow: pip install 'rltpu[data]' (or run make setup)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]}); re-export it "
+                           f"with pyarrow or pandas.to_parquet") from None
+    if prompt_key not in table.column_names and messages_key not in table.column_names:
+        raise DatasetError(f"{path}: no '{prompt_key}' or '{messages_key}' column (columns: "
+                           f"{', '.join(table.column_names)}); rename one or set task.prompt_key / task.messages_key")
+    rows = table.to_pylist()
+    return rows, [f"{path} row {i}" for i in range(len(rows))]
+
+
+def read_prompt_file(path: str | Path, prompt_key: str = "prompt", messages_key: str = "messages") -> tuple[list, list]:
+    """Rows of a prompt file and, per row, where it is (``file:line`` or ``file row N``), validated:
+    each row has a string prompt or a list of ``{role, content}`` messages."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset file '{p}' does not exist (task.dataset; relative paths are from the "
+                           f"current directory)")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        rows, where = _read_jsonl(p)
+    elif suffix == ".json":
+        rows, where = _read_json(p)
+    elif suffix == ".parquet":
+        rows, where = _read_parquet(p, prompt_key, messages_key)
+    else:
+        raise DatasetError(f"dataset file '{p}' has an unknown format '{suffix}'; use .jsonl, .json or .parquet")
+    if not rows:
+        raise DatasetError(f"dataset file '{p}' has no rows; add at least one {{\"{prompt_key}\": ...}} row")
+    for row, at in zip(rows, where):
+        _check_row(row, at, prompt_key, messages_key)
+    return rows, where
+
+
+def _check_row(row: dict, at: str, prompt_key: str, messages_key: str) -> None:
+    messages = row.get(messages_key)
+    if messages is not None:
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not ok:
+            raise DatasetError(f"{at}: '{messages_key}' must be a non-empty list of {{\"role\": str, \"content\": str}} "
+                               f"objects")
+        return
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        raise DatasetError(f"{at}: row has neither '{prompt_key}' nor '{messages_key}' (keys: {', '.join(row)}); "
+                           f"add one, or set task.prompt_key / task.messages_key to your column names")
+    if not isinstance(prompt, str):
+        raise DatasetError(f"{at}: '{prompt_key}' must be a string, got {type(prompt).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The file-backed dataset
+
+
+class PromptDataset:
+    """An endless, epoch-shuffled stream over the rows of a prompt file (held in memory)."""
+
+    def __init__(self, rows: list[dict], where: list[str], seed: int, shuffle: bool = True, tokenizer=None,
+                 prompt_key: str = "prompt", messages_key: str = "messages", source: str = "<rows>"):
+        self.rows, self.where, self.seed, self.shuffle = rows, where, seed, shuffle
+        self.prompt_key, self.messages_key, self.source = prompt_key, messages_key, source
+        self.tokenizer = tokenizer
+        self.cursor = Cursor()
+        self._order = self._permutation(0)
+        first_chat = next((i for i, r in enumerate(rows) if r.get(messages_key) is not None), None)
+        if first_chat is not None:
+            if not hasattr(tokenizer, "apply_chat_template"):
+                raise DatasetError(f"{where[first_chat]}: chat '{messages_key}' need a tokenizer with a chat template; "
+                                   f"set task.tokenizer to a Hugging Face tokenizer directory")
+            self._render(first_chat)  # a broken template fails at start, not mid-run
+
+    @classmethod
+    def from_file(cls, path, seed: int, shuffle: bool = True, tokenizer=None, prompt_key: str = "prompt",
+                  messages_key: str = "messages") -> "PromptDataset":
+        rows, where = read_prompt_file(path, prompt_key, messages_key)
+        return cls(rows, where, seed, shuffle, tokenizer, prompt_key, messages_key, source=str(path))
+
+    @classmethod
+    def from_config(cls, task_cfg, seed: int, tokenizer) -> "PromptDataset":
+        return cls.from_file(task_cfg.dataset, seed, task_cfg.shuffle, tokenizer, task_cfg.prompt_key,
+                             task_cfg.messages_key)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, 1_000_003, epoch]).permutation(len(self.rows))
+
+    def _render(self, index: int) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(self.rows[index][self.messages_key])
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - jinja raises many types
+            raise DatasetError(f"{self.where[index]}: the chat template failed on these messages "
+                               f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                               f"check the roles/content or the template") from None
+
+    def example(self, index: int) -> dict:
+        """Row ``index`` as the reward function sees it: every column, plus ``prompt`` (the text
+        the policy is given) and ``id`` (the row index unless the file has an ``id`` column)."""
+        row = self.rows[index]
+        ex = dict(row)
+        ex.setdefault("id", index)
+        if row.get(self.messages_key) is not None:
+            ex["prompt"] = self._render(index)
+        else:
+            ex["prompt"] = row[self.prompt_key]
+        return ex
+
+    def next_batch(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if self.cursor.position >= len(self.rows):
+                self.cursor = Cursor(self.cursor.epoch + 1, 0)
+                self._order = self._permutation(self.cursor.epoch)
+            idx = int(self._order[self.cursor.position])
+            self.cursor.position += 1
+            out.append(self.example(idx))
+        return out
+
+    def encode(self, example: dict, tokenizer) -> list[int]:
+        """Prompt ids. A rendered chat template already holds whatever BOS the model wants, so
+        BOS is added only to plain text prompts."""
+        chat = example.get(self.messages_key) is not None
+        return tokenizer.encode(example["prompt"], add_bos=not chat)
+
+    def probe_texts(self, n: int) -> list[tuple[str, bool]]:
+        """The first ``n`` rows in file order as (text, add_bos), for the sync logit probe; does
+        not move the cursor."""
+        exs = [self.example(i) for i in range(min(n, len(self.rows)))]
+        return [(e["prompt"], e.get(self.messages_key) is None) for e in exs]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.cursor.epoch, "position": self.cursor.position, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        rows = state.get("rows")
+        if rows is not None and int(rows) != len(self.rows):
+            raise DatasetError(f"the checkpoint's data cursor is for a dataset of {rows} rows but {self.source} has "
+                               f"{len(self.rows)}; resume with the original file or start a new run_dir")
+        self.cursor = Cursor(int(state["epoch"]), int(state["position"]))
+        self._order = self._permutation(self.cursor.epoch)
+
+
+def build_dataset(cfg, tokenizer=None):
+    """The prompt stream for ``cfg.task``: the file in ``task.dataset``, else the synthetic task."""
+    if cfg.task.dataset is None:
+        return SyntheticPromptDataset.from_config(cfg.task, cfg.seed)
+    return PromptDataset.from_config(cfg.task, cfg.seed, tokenizer if tokenizer is not None else build_tokenizer(cfg))
