@@ -51,6 +51,12 @@ class Controller:
         self.vocab = resolve_vocab(cfg, self.tokenizer)
         self.reward_fn = load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
         self.data = build_dataset(cfg, self.tokenizer)
+        if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
+            st = self.data.check_lengths(self.tokenizer, cfg.sampler)
+            print(f"rltpu: dataset {cfg.task.dataset}: {st['rows']} rows, prompt tokens "
+                  f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} (min/mean/max)"
+                  f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}",
+                  file=sys.stderr, flush=True)
         self.spec = param_spec(cfg.model, self.vocab)
         self.probe = self.probe_batch()
         self.samplers, self.trainers, self.reports = [], [], []

@@ -271,6 +271,21 @@ class PromptDataset:
         exs = [self.example(i) for i in range(min(n, len(self.rows)))]
         return [(e["prompt"], e.get(self.messages_key) is None) for e in exs]
 
+    def check_lengths(self, tokenizer, sampler_cfg) -> dict:
+        """Encode every row once at start-up: prompt-token stats, and a one-line error naming the
+        first row (file:line) longer than the largest prompt bucket unless truncation is on."""
+        lengths = np.array([len(self.encode(self.example(i), tokenizer)) for i in range(len(self.rows))])
+        limit = max(sampler_cfg.prompt_buckets)
+        over = np.flatnonzero(lengths > limit)
+        if len(over) and not sampler_cfg.truncate_prompts:
+            i = int(over[0])
+            raise DatasetError(f"{self.where[i]}: prompt is {lengths[i]} tokens ({len(over)} of {len(lengths)} rows "
+                               f"exceed the largest sampler.prompt_buckets entry {limit}); add a bucket >= "
+                               f"{int(lengths.max())} or set sampler.truncate_prompts=true")
+        return {"rows": len(lengths), "prompt_tokens_min": int(lengths.min()),
+                "prompt_tokens_mean": float(lengths.mean()), "prompt_tokens_max": int(lengths.max()),
+                "truncated_rows": int(len(over))}
+
     def state_dict(self) -> dict:
         return {"epoch": self.cursor.epoch, "position": self.cursor.position, "rows": len(self.rows)}
 

@@ -245,3 +245,42 @@ def test_config_keys_validate_in_one_line(jsonl):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="prompt_key and messages_key are both 'x'"):
         build_config({"task": {"prompt_key": "x", "messages_key": "x"}})
+
+
+def test_check_lengths_reports_stats_and_names_the_first_long_row(tmp_path, tok):
+    rows = [{"prompt": "1 * 7 ="}, {"prompt": "What is 12 times 7? " * 4}, {"prompt": "2"}]
+    ds = PromptDataset.from_file(write_jsonl(tmp_path / "d.jsonl", rows), 0, tokenizer=tok)
+    n = [len(tok.encode(r["prompt"])) for r in rows]
+    fits = build_config({"sampler": {"prompt_buckets": [max(n)]}}).sampler
+    assert ds.check_lengths(tok, fits) == {"rows": 3, "prompt_tokens_min": min(n), "prompt_tokens_mean": sum(n) / 3,
+                                           "prompt_tokens_max": max(n), "truncated_rows": 0}
+    small = build_config({"sampler": {"prompt_buckets": [sorted(n)[1]]}}).sampler
+    with pytest.raises(DatasetError, match=rf"d.jsonl:2: prompt is {n[1]} tokens \(1 of 3 rows exceed"):
+        ds.check_lengths(tok, small)
+    truncating = small.model_copy(update={"truncate_prompts": True})
+    assert ds.check_lengths(tok, truncating)["truncated_rows"] == 1
+
+
+def test_cli_fails_in_one_line_before_starting_anything(tmp_path):
+    """Bad data is exit code 2 and one stderr line from `rltpu train`, before Ray starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rltpu.chat_example import write_chat_example
+
+    root = Path(__file__).resolve().parents[1]
+    made = write_chat_example(tmp_path, num_rows=8)
+
+    def train(*overrides):
+        cmd = [sys.executable, "-m", "rltpu.cli", "train", str(root / "configs" / "chat_jsonl.yaml"),
+               f"run_dir={tmp_path / 'run'}", f"task.tokenizer={made['tokenizer']}", *overrides]
+        return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+
+    res = train(f"task.dataset={made['dataset']}", "sampler.prompt_buckets=[8]")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"rltpu: error: {made['dataset']}:1: prompt is ")
+    assert "sampler.truncate_prompts=true" in res.stderr
+    res = train(f"task.dataset={tmp_path / 'nope.jsonl'}")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "does not exist" in res.stderr, res.stderr
+    assert not (tmp_path / "run").exists()
