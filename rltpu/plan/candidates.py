@@ -13,6 +13,7 @@ reference model and critic live with the trainer (FSDP-sharded); a reward model 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class Candidate:
     sampler_tp: int = 1
     trainer_fsdp: int = 1
     trainer_tp: int = 1
+    micro_rows: float = 0.0  # trainer rows per forward/backward (< the shard: gradient accumulation)
 
     @property
     def name(self) -> str:
@@ -58,7 +60,8 @@ class Candidate:
 
     @property
     def runnable(self) -> bool:
-        return self.mode in RUNNABLE_MODES
+        """What `rltpu train` runs today: on-policy, disjoint chips, one forward per trainer shard."""
+        return self.mode in RUNNABLE_MODES and not any("micro-batches" in x for x in self.warnings)
 
     def peak_bytes(self) -> dict[str, float]:
         return {role: sum(items.values()) for role, items in self.memory.items()}
@@ -105,13 +108,12 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     # -- memory per chip
     rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
     rows_t = w.rows / n_t
-    tokens_per_chip = rows_t * w.seq / c.trainer_tp
     smem = cm.sampler_memory(m, w, c.chips_per_sampler, rows_s)
     if c.reward_on != "sampler":
         smem.pop("reward_model", None)
 
-    def tmem(ckpt: bool) -> dict:
-        out = cm.trainer_memory(m, w, fsdp_chips, tokens_per_chip, ckpt)
+    def tmem(ckpt: bool, micro_rows: float) -> dict:
+        out = cm.trainer_memory(m, w, fsdp_chips, micro_rows * w.seq / c.trainer_tp, ckpt)
         if c.reward_on == "trainer":
             out["reward_model"] = w.reward_params * m.bytes / fsdp_chips
         return out
@@ -121,17 +123,29 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     else:
         c.capacity = hw.hbm_bytes
     reserve = {"runtime": hw.runtime_reserve_bytes}
-    no_ckpt, ckpt = tmem(False), tmem(True)
+    extra = sum(smem.values()) if colocated else 0.0  # colocated: the sampler stays resident too
+    # the cheapest way to fit: whole shard, then checkpointing, then halving the micro-batch
+    micro = rows_t
+    choice = None
+    while choice is None:
+        for ckpt in (False, True):
+            t = tmem(ckpt, micro)
+            if sum(t.values()) + extra + reserve["runtime"] <= c.capacity:
+                choice = (ckpt, micro, t)
+                break
+        if choice is None:
+            if micro <= 1:
+                choice = (True, micro, tmem(True, micro))  # does not fit: report the smallest footprint
+            else:
+                micro = max(1.0, math.ceil(micro / 2))
+    c.checkpointing, c.micro_rows, trainer_mem = choice
+    if c.micro_rows < rows_t:
+        c.warnings.append(f"trainer needs micro-batches of {c.micro_rows:g} rows (gradient accumulation over "
+                          f"{math.ceil(rows_t / c.micro_rows)}), which rltpu train does not do yet")
     if colocated:
-        fits = lambda t: sum(t.values()) + sum(smem.values()) + reserve["runtime"] <= c.capacity  # noqa: E731
-        c.checkpointing = not fits(no_ckpt) and fits(ckpt)
-        trainer_mem = ckpt if c.checkpointing else no_ckpt
         c.memory = {"sampler+trainer": {**{f"sampler {k}": v for k, v in smem.items()},
                                         **{f"trainer {k}": v for k, v in trainer_mem.items()}, **reserve}}
     else:
-        fits_t = lambda t: sum(t.values()) + reserve["runtime"] <= c.capacity  # noqa: E731
-        c.checkpointing = not fits_t(no_ckpt) and fits_t(ckpt)
-        trainer_mem = ckpt if c.checkpointing else no_ckpt
         c.memory = {"sampler": {**smem, **reserve}, "trainer": {**trainer_mem, **reserve}}
     over = [(role, tot) for role, tot in c.peak_bytes().items() if tot > c.capacity]
     if over:
@@ -143,7 +157,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         c.reason = (f"{what} {cm.fmt_bytes(tot)} > {cm.fmt_bytes(c.capacity)} "
                     f"{'RAM per emulated chip' if hw.emulated else 'HBM'} on {hw.name} "
                     f"(largest: {', '.join(f'{k} {cm.fmt_bytes(v)}' for k, v in top)}"
-                    f"{'; even with activation checkpointing' if not c.checkpointing else ''})")
+                    f"{'; even with activation checkpointing and 1-row micro-batches' if role != 'sampler' else ''})")
 
     # -- mesh mapping: high-traffic dims on ICI inside a slice, DCN only between slices
     t_slices = [chips[0].slice for chips in trainers]
@@ -164,7 +178,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s)
     if c.reward_on == "trainer" and "reward_model" in sample:
         sample.pop("reward_model")
-    train = cm.train_seconds(hw, m, w, n_t, c.trainer_tp, rows_t, c.checkpointing, fsdp_link)
+    train = cm.train_seconds(hw, m, w, n_t, c.trainer_tp, rows_t, c.checkpointing, fsdp_link,
+                             n_micro=math.ceil(rows_t / c.micro_rows))
     if c.reward_on == "trainer" and w.reward_params:
         peak = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu * c.trainer_tp
         train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
@@ -225,8 +240,15 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Feasible first, fastest step first; infeasible ones keep their reason, after them."""
-    return sorted(cands, key=lambda c: (not c.feasible, c.phases.step if c.phases else float("inf")))
+    """Feasible first, fastest step first; infeasible ones keep their reason, after them, the
+    nearest miss (peak memory / capacity) first."""
+    def key(c: Candidate):
+        if c.feasible:
+            return (0, c.phases.step)
+        over = max(c.peak_bytes().values()) / c.capacity if c.memory and c.capacity else float("inf")
+        return (1, over)  # the nearest miss first
+
+    return sorted(cands, key=key)
 
 
 def evaluate_all(cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape, w: cm.Workload) -> list[Candidate]:

@@ -232,18 +232,19 @@ def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int)
 
 
 def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, rows_per_actor: float,
-                  checkpointing: bool, fsdp_link: str) -> dict[str, float]:
+                  checkpointing: bool, fsdp_link: str, n_micro: int = 1) -> dict[str, float]:
     """One trainer actor's share of the update (all actors run in parallel).
 
     FLOPs per epoch: 6 * matmul params * tokens (+2 with checkpointing: the forward again) plus
     attention 12 * tokens * seq * H * L; a reference model adds a forward, a critic a full update.
-    FSDP moves 3x the weights per epoch (all-gather forward and backward, reduce-scatter grads).
+    FSDP moves 3x the weights per epoch and micro-batch (all-gather forward and backward,
+    reduce-scatter grads).
     """
     tokens = rows_per_actor * w.seq
     H, L = m.hidden, m.layers
     mult = 6 + (2 if checkpointing else 0) + (2 if w.reference else 0) + (6 if w.critic else 0)
     flops = w.ppo_epochs * (mult * m.matmul_params * tokens + 12 * tokens * w.seq * H * L)
-    fsdp_bytes = w.ppo_epochs * 3 * m.params * m.bytes * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
+    fsdp_bytes = n_micro * w.ppo_epochs * 3 * m.params * m.bytes * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
     opt_bytes = w.ppo_epochs * 7 * m.params * m.bytes / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
     if hw.emulated:
@@ -255,14 +256,14 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
         n_ops = w.ppo_epochs * 3 * (EAGER_OPS_PER_LAYER * L + EAGER_OPS_FIXED)
         out["dispatch"] = n_ops * cpu["torch_op_s"] + cpu["ray"]["call_s"]
         if fsdp > 1:  # gloo blocks: nothing overlaps; 3 collectives per FSDP unit (layers + root) + grad norm
-            n_coll = w.ppo_epochs * (3 * (L + 1) + 2)
+            n_coll = w.ppo_epochs * (n_micro * 3 * (L + 1) + 2)
             out["fsdp_comm"] = n_coll * cpu["gloo"]["allgather_latency_s"] + fsdp_bytes / cpu["gloo"]["bcast_bw"]
         return out
     passes = matmul_passes(hw, m, w)
     compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)
     bw = (hw.ici_bw if fsdp_link == "ICI" else hw.dcn_bw) * hw.link_eff
     lat = hw.collective_latency_s if fsdp_link == "ICI" else hw.dcn_latency_s
-    comm = fsdp_bytes / bw + w.ppo_epochs * 3 * (L + 1) * lat if fsdp > 1 else 0.0
+    comm = fsdp_bytes / bw + n_micro * w.ppo_epochs * 3 * (L + 1) * lat if fsdp > 1 else 0.0
     # FSDP prefetch overlaps gathers with compute: only the part that exceeds compute shows
     out["compute"] = compute
     out["fsdp_comm_exposed"] = max(0.0, comm - compute) + (comm / max(L, 1) / 3 if fsdp > 1 else 0.0)

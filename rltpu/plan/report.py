@@ -27,10 +27,11 @@ def _fmt_s(x: float) -> str:
 def _rows(plan: Plan, top: int):
     feas = [c for c in plan.candidates if c.feasible][:top]
     bad = [c for c in plan.candidates if not c.feasible][: max(4, top // 2)]
-    mine = plan.as_configured
     shown = feas + bad
-    if mine not in shown:
-        shown.append(mine)
+    extra = [plan.as_configured] + [plan.best(mode) for mode in ("disaggregated", "async", "colocated")]
+    for c in extra:  # always show the config's own placement and the best of each mode
+        if c is not None and c not in shown:
+            shown.append(c)
     return shown
 
 

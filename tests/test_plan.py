@@ -1,0 +1,355 @@
+"""``rltpu plan``: known cases checked against numbers worked out by hand in each test.
+
+Hand computations use the Llama parameter count: embedding V*H (+ an untied head V*H), per layer
+q,o H*H each, k,v H*kv each, gate/up/down H*I each, two norms H, plus the final norm H.
+"""
+
+import json
+import math
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rltpu.config import ConfigError, load_config
+from rltpu.models import param_shapes
+from rltpu.plan import costmodel as cm
+from rltpu.plan import make_plan
+from rltpu.plan.calibrate import compare
+from rltpu.plan.candidates import Candidate, evaluate
+from rltpu.plan.hardware import GiB, check_topology
+from rltpu.plan.writer import placed_config
+from rltpu.topology import ChipTable, assign_roles
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+# A fixed micro-benchmark result, so cpu-entry tests do not depend on this machine's load.
+FAKE_BENCH = {
+    "machine": "test|x86_64|2|fake|v1", "cores": 2, "measured_at": "fixed", "load_avg_1m": 0.0,
+    "torch_gemm_flops": {"64": 20e9, "128": 25e9, "256": 30e9, "512": 35e9, "1024": 40e9},
+    "jax_gemm_flops": {"64": 40e9, "128": 45e9, "256": 47e9, "512": 48e9, "1024": 48e9},
+    "torch_op_s": 10e-6, "jax_loop_iter_s": 1e-7, "mem_bw": 10e9,
+    "gloo": {"bcast_latency_s": 0.5e-3, "allgather_latency_s": 1.5e-3, "bcast_bw": 1e9},
+    "ray": {"call_s": 1e-3, "fanout4_s": 5e-3},
+}
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def write_cfg(tmp_path: Path, name: str, **sections) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({"name": name, **sections}))
+    return p
+
+
+def llama_params(H, I, L, heads, kv, V, tied):
+    hd = H // heads
+    layer = 2 * H * heads * hd + 2 * H * kv * hd + 3 * H * I + 2 * H
+    return V * H * (1 if tied else 2) + L * layer + H
+
+
+def by_name(plan, mode, **kw):
+    for c in plan.candidates:
+        if c.mode == mode and all(getattr(c, k) == v for k, v in kw.items()):
+            return c
+    raise AssertionError(f"no {mode} candidate with {kw}")
+
+
+# -- model size ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sizes", [{}, LLAMA_1B])
+def test_param_count_matches_the_models_own_shapes(tmp_path, sizes):
+    cfg = load_config(write_cfg(tmp_path, "m", model=sizes) if sizes else QUICKSTART)
+    shape = cm.model_shape(cfg)
+    want = sum(math.prod(s) for s in param_shapes(cfg.model, shape.vocab).values())
+    assert shape.params == want
+
+
+def test_hf_config_json_gives_the_sizes(tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({**LLAMA_8B, "architectures": ["LlamaForCausalLM"]}))
+    cfg = load_config(QUICKSTART, [f"planner.hf_config={hf}"])
+    assert cm.model_shape(cfg).params == llama_params(4096, 14336, 32, 32, 8, 128256, False) == 8_030_261_248
+
+
+# -- acceptance 1: known cases by hand -------------------------------------------------------------
+
+def test_8b_on_v5e_16_cannot_colocate(tmp_path):
+    """fp32 params (rltpu trains in model.dtype): the trainer shard alone is 16 B/param over 16
+    chips, the sampler's weights 4 B/param over the 4 chips of one process (a v5e-16 is four
+    4-chip VMs, so TP <= 4). Together 14.96 GiB > 16 GB = 14.90 GiB before any KV or activation."""
+    cfg = load_config(write_cfg(
+        tmp_path, "l8b", cluster={"generation": "v5e", "topology": "4x4"},
+        placement={"sampler_chips": 8, "trainer_chips": 8}, model={**LLAMA_8B, "dtype": "float32"},
+        sampler={"group_size": 4, "max_new_tokens": 256, "batch_buckets": [16, 32, 64], "prompt_buckets": [256]},
+        trainer={"prompts_per_step": 16}, backend={"matmul_precision": "medium"}))
+    plan = make_plan(cfg)
+    P = 8_030_261_248
+    hbm = 16e9
+    coloc = [c for c in plan.candidates if c.mode == "colocated"]
+    assert {c.chips_per_sampler for c in coloc} == {1, 2, 4}  # 4 chips per host on a multi-host v5e
+    assert not any(c.feasible for c in coloc)
+    c4 = by_name(plan, "colocated", chips_per_sampler=4)
+    mem = c4.memory["sampler+trainer"]
+    assert mem["trainer weights"] == pytest.approx(4 * P / 16)
+    assert mem["trainer grads"] == pytest.approx(4 * P / 16)
+    assert mem["trainer adam_states"] == pytest.approx(8 * P / 16)
+    assert mem["sampler weights"] == pytest.approx(4 * P / 4)
+    static = 16 * P / 16 + 4 * P / 4
+    assert static / GiB == pytest.approx(14.96, abs=0.01) and static > hbm
+    assert c4.capacity == hbm
+    assert "HBM on v5e" in c4.reason and "> 14.90 GiB" in c4.reason
+
+
+def test_1b_on_v6e_8_can_colocate(tmp_path):
+    """bf16, tied: P = 1,235,814,400. One process on all 8 chips of the v6e host: trainer
+    2+2+4 B/param over 8 chips, sampler 2 B/param over TP 8, KV for the 64-row bucket."""
+    cfg = load_config(write_cfg(
+        tmp_path, "l1b", cluster={"generation": "v6e", "topology": "2x4"},
+        placement={"sampler_chips": 4, "trainer_chips": 4}, model={**LLAMA_1B, "dtype": "bfloat16"},
+        sampler={"group_size": 8, "max_new_tokens": 256, "batch_buckets": [64], "prompt_buckets": [256]},
+        trainer={"prompts_per_step": 8}, backend={"matmul_precision": "medium"}))
+    plan = make_plan(cfg)
+    P = llama_params(2048, 8192, 16, 32, 8, 128256, True)
+    assert P == 1_235_814_400
+    c = by_name(plan, "colocated", chips_per_sampler=8)
+    assert c.feasible, c.reason
+    mem = c.memory["sampler+trainer"]
+    assert mem["trainer weights"] == pytest.approx(2 * P / 8)
+    assert mem["trainer adam_states"] == pytest.approx(4 * P / 8)
+    assert mem["sampler weights"] == pytest.approx(2 * P / 8)
+    kv_per_token = 2 * 16 * 8 * 64 * 2  # k and v, 16 layers, 8 kv heads x 64, bf16
+    assert mem["sampler kv_cache"] == pytest.approx(64 * 512 * kv_per_token / 8)
+    assert sum(mem.values()) <= 32e9
+    assert plan.winner is not None
+
+
+def test_two_slice_v5p_sends_weights_over_dcn_once_per_slice(tmp_path):
+    cfg = load_config(write_cfg(
+        tmp_path, "v5p", cluster={"generation": "v5p", "topology": "2x2x1", "slices": 2},
+        placement={"sampler_chips": 4, "trainer_chips": 4}, model={**LLAMA_1B, "dtype": "bfloat16"},
+        sampler={"group_size": 8, "max_new_tokens": 128, "batch_buckets": [16, 32, 64, 128], "prompt_buckets": [128]},
+        trainer={"prompts_per_step": 48}, backend={"matmul_precision": "medium"}))
+    plan = make_plan(cfg)
+    W = 2 * 1_235_814_400  # bf16 weights, bytes
+    checked = 0
+    for c in plan.candidates:
+        if c.mode == "colocated" or not c.route:
+            continue
+        t0_slice = next(r["slice"] for r in c.ranks if r["role"] == "trainer" and r["rank"] == 0)
+        remote = {r["slice"] for r in c.ranks if r["role"] == "sampler"} - {t0_slice}
+        dcn = [h for h in c.route if h.link == "DCN"]
+        if any("FSDP" in h.what for h in dcn):  # trainers across slices: warned about below
+            continue
+        assert len(dcn) == len(remote), c.name
+        assert all(h.bytes == W for h in dcn)
+        assert len({h.dst for h in dcn}) == len(dcn)
+        checked += 1
+    assert checked >= 5
+    # samplers on both slices (chips 0-5), trainers on slice 1 (chips 6, 7): one DCN hop, to slice 0,
+    # then ICI broadcasts inside slice 0 (3 more samplers) and slice 1 (2 samplers)
+    c = evaluate(Candidate("disaggregated", 6, 2, 1, 1), cfg, plan.table, plan.hw, plan.model, plan.workload)
+    dcn = [h for h in c.route if h.link == "DCN"]
+    assert [(h.dst, h.bytes) for h in dcn] == [("slice 0 sampler leader", W)]
+    ici = [h for h in c.route if h.link == "ICI" and "broadcast" in h.what]
+    assert sorted(h.what for h in ici) == ["broadcast inside slice 0", "broadcast inside slice 1"]
+    assert dcn[0].seconds == pytest.approx(W / (50e9 / 8 * 0.7) + 100e-6)  # 50 Gb/s per chip [v5p], 70%
+    # trainers on both slices: the FSDP dimension would cross DCN, and the plan says so
+    bad = evaluate(Candidate("disaggregated", 2, 6, 1, 1), cfg, plan.table, plan.hw, plan.model, plan.workload)
+    assert any("FSDP" in w and "DCN" in w and "[0, 1]" in w for w in bad.warnings)
+    assert any(h.link == "DCN" and "FSDP" in h.what for h in bad.route)
+
+
+def test_rank_to_chip_table_follows_assign_roles(tmp_path):
+    cfg = load_config(QUICKSTART)
+    plan = make_plan(cfg, "v5e")
+    c = plan.as_configured
+    roles = assign_roles(ChipTable.build(cfg.cluster, emulated=False), cfg.placement)
+    assert [r["chips"] for r in c.ranks if r["role"] == "sampler"] == [[ch.global_id for ch in a] for a in roles["sampler"]]
+    assert [r["chips"] for r in c.ranks if r["role"] == "trainer"] == [[ch.global_id for ch in a] for a in roles["trainer"]]
+
+
+def test_precision_costs_1x_3x_6x_matmul_passes_for_fp32_on_tpu():
+    cfg = load_config(QUICKSTART)
+    m, hw = cm.model_shape(cfg), make_plan(cfg, "v5e").hw
+    base = cm.Workload.from_config(cfg)
+    pre = {p: cm.sample_seconds(hw, m, cm.Workload(**{**base.__dict__, "precision": p}), 1, 256)["prefill"]
+           for p in ("medium", "high", "highest")}
+    assert pre["high"] == pytest.approx(3 * pre["medium"]) and pre["highest"] == pytest.approx(6 * pre["medium"])
+    bf16 = cm.ModelShape(**{**m.__dict__, "dtype": "bfloat16"})
+    w6 = cm.Workload(**{**base.__dict__, "precision": "highest"})
+    assert cm.matmul_passes(hw, bf16, w6) == 1  # bf16 inputs are unaffected
+
+
+def test_decode_is_bandwidth_bound_on_tpu(tmp_path):
+    cfg = load_config(write_cfg(tmp_path, "d", cluster={"generation": "v6e", "topology": "2x4"},
+                                model={**LLAMA_1B, "dtype": "bfloat16"},
+                                sampler={"max_new_tokens": 100, "prompt_buckets": [100], "batch_buckets": [16]},
+                                trainer={"prompts_per_step": 2}))
+    m, w = cm.model_shape(cfg), cm.Workload.from_config(cfg)
+    hw = make_plan(cfg).hw
+    t = cm.sample_seconds(hw, m, w, 1, 16)
+    stream = m.params * 2 + 16 * 200 * m.kv_bytes_per_token  # weights + KV cache, bytes per token
+    assert t["decode"] == pytest.approx(100 * stream / (1638e9 * 0.7))
+
+
+def test_cpu_sample_and_sync_seconds_by_hand():
+    """The quickstart on the cpu entry, with fixed micro-benchmark figures."""
+    cfg = load_config(QUICKSTART)
+    plan = make_plan(cfg, "cpu", FAKE_BENCH)
+    c = plan.as_configured
+    m = plan.model
+    Nm = m.layers * (m.layer_params - 2 * 128) + m.vocab * 128
+    rows, P, T, S = 256, 8, 4, 12
+    flops = 2 * Nm * rows * P + 4 * rows * P * P * 128 * 2 + T * (2 * Nm * rows + 4 * rows * S * 128 * 2)
+    elem = rows * S * 2 * (8 * 128 + 4 * 256) * 4
+    want = flops / 45e9 + T * 1e-7 + elem / 10e9 + 1e-3
+    assert c.phases.sample == pytest.approx(want)
+    W = m.params * 4
+    n_tensors = 1 + 9 * 2 + 1 + 1
+    gather = n_tensors * 1.5e-3 + W / 2 / 1e9
+    bcast = 3 * 0.5e-3 + 2 * W / 1e9  # header, verdict, one bucket; one-to-all to 2 samplers
+    assert c.phases.sync == pytest.approx(gather + bcast + 5e-3)
+    assert "EMULATED" in plan.label()
+
+
+# -- acceptance 4: nonsense inputs are one-line errors -----------------------------------------------
+
+def run_plan(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "rltpu.cli", "plan", *map(str, args)], cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["cluster.topology=3x3"], "not a v5e slice shape"),
+    (["cluster.generation=v4", "cluster.topology=3x3x3"], "not a v4 slice shape"),
+    (["cluster.generation=v5p", "cluster.topology=32x32x32"], "not a v5p slice shape"),
+    (["placement.sampler_chips=4"], "6 chips"),  # more chips than the slice has
+    (["placement.chips_per_sampler=8", "placement.sampler_chips=8", "sampler.batch_buckets=[512]"], "10 chips"),
+    (["trainer.prompts_per_step=0"], "'trainer.prompts_per_step' has bad value 0"),  # zero batch
+    (["planner.response_len=0"], "'planner.response_len' has bad value 0"),
+    (["--hardware", "v6e"], "cluster.generation=v5e"),
+    (["--against", "/nonexistent/run"], "no metrics.jsonl"),
+])
+def test_nonsense_inputs_are_one_line_errors(overrides, fragment):
+    res = run_plan(QUICKSTART, *overrides)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rltpu: error:"), res.stderr
+    assert fragment in lines[0]
+
+
+def test_check_topology_accepts_documented_shapes():
+    for gen, topo in [("v5e", "2x4"), ("v6e", "16x16"), ("v4", "2x2x1"), ("v4", "4x4x8"), ("v5p", "16x16x24"),
+                      ("7x", "2x2x2")]:
+        check_topology(gen, topo)
+    with pytest.raises(ConfigError):
+        check_topology("v6e", "4x2")
+
+
+# -- calibration and --write-config ----------------------------------------------------------------
+
+def test_against_reports_predicted_measured_and_error(tmp_path):
+    cfg = load_config(QUICKSTART)
+    plan = make_plan(cfg, "cpu", FAKE_BENCH)
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = [{"step": i, "emulated": True, "sample_s": s, "train_s": 0.4, "sync_s": 0.07, "step_s": 0.6}
+             for i, s in enumerate([1.0, 0.08, 0.10, 0.09], 1)]  # step 1 is warm-up, ignored
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    out = {r["phase"]: r for r in compare(plan, run)["phases"]}
+    assert out["sample"]["measured_s"] == pytest.approx(0.09)
+    p = plan.as_configured.phases.sample
+    assert out["sample"]["error"] == pytest.approx((p - 0.09) / 0.09)
+    assert out["train"]["measured_s"] == 0.4 and out["compile"]["measured_s"] is None
+
+
+def test_write_config_is_accepted_by_train_validation(tmp_path):
+    cfg = load_config(QUICKSTART, ["placement.sampler_chips=1", "placement.trainer_chips=1",
+                                   "sampler.batch_buckets=[256,512]"])
+    plan = make_plan(cfg, "cpu", FAKE_BENCH)
+    data = placed_config(plan)
+    best = plan.best_runnable
+    assert data["placement"]["sampler_chips"] == best.sampler_chips
+    assert data["placement"]["trainer_chips"] == best.trainer_chips
+    out = tmp_path / "placed.yaml"
+    out.write_text(yaml.safe_dump(data))
+    again = load_config(out)  # the schema rltpu train loads with
+    assign_roles(ChipTable.build(again.cluster, emulated=True), again.placement)
+
+
+# -- acceptance 3: the HTML report in headless Chromium ----------------------------------------------
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _browser(args: list[str], profile: Path) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}"]
+    return subprocess.run([_chromium(), *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium: `make test` installs it with apt-get when apt is "
+                                                "available; install chromium to run the HTML report check")
+def test_html_report_renders_in_headless_chromium(tmp_path):
+    from rltpu.plan.report import html_page
+
+    cfg = load_config(write_cfg(
+        tmp_path, "v5p", cluster={"generation": "v5p", "topology": "2x2x1", "slices": 2},
+        placement={"sampler_chips": 4, "trainer_chips": 4}, model={**LLAMA_1B, "dtype": "bfloat16"},
+        sampler={"group_size": 8, "max_new_tokens": 128, "batch_buckets": [64, 128], "prompt_buckets": [128]},
+        trainer={"prompts_per_step": 16}))
+    plan = make_plan(cfg)
+    page = tmp_path / "plan.html"
+    page.write_text(html_page(plan))
+    assert "http://" not in page.read_text().replace("http://www.w3.org/2000/svg", "")  # nothing fetched
+    dom = _browser(["--dump-dom", page.as_uri()], tmp_path / "profile1")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert 'data-check="ok"' in html  # the inline script ran and found every element
+    for el in ("chip-map", "timeline", "memory-bars", "ranked", "ranks", "route", "label", "why"):
+        assert f'id="{el}"' in html
+    assert f'data-chips="{plan.table.num_chips}"' in html
+    assert int(html.split('data-phases="')[1].split('"')[0]) >= 4  # at least one full step drawn
+    shot = tmp_path / "plan.png"
+    res = _browser([f"--screenshot={shot}", "--window-size=1280,1600", page.as_uri()], tmp_path / "profile2")
+    assert res.returncode == 0 and shot.is_file(), res.stderr[-2000:]
+    head = shot.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", head[16:24]) == (1280, 1600)
+
+
+# -- acceptance 2: the quickstart on this CPU, against a real run --------------------------------------
+
+@pytest.mark.slow
+def test_quickstart_prediction_within_30_percent_and_written_config_trains(tmp_path):
+    """Measures this machine (cached micro-benchmark), runs the written config for 20 steps, and
+    compares per phase. The machine is shared: a run under someone else's load can miss."""
+    out = tmp_path / "placed.yaml"
+    res = run_plan(QUICKSTART, "--hardware", "cpu", "--write-config", out, "--out", tmp_path / "report")
+    assert res.returncode == 0, res.stderr
+    run = tmp_path / "run"
+    train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", out, "trainer.steps=20", "progress=false",
+                            "--run-dir", run], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    res = run_plan(out, "--against", run, "--json")
+    assert res.returncode == 0, res.stderr
+    phases = {r["phase"]: r for r in json.loads(res.stdout)["against"]["phases"]}
+    errs = {k: phases[k]["error"] for k in ("sample", "train", "sync")}
+    assert all(abs(e) <= 0.30 for e in errs.values()), errs
+    assert statistics.median([1, 2, 3]) == 2
