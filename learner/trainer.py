@@ -28,7 +28,9 @@ class TrainerEngine:
         self.cfg, self.temperature, self.mesh, self.device = trainer_cfg, temperature, mesh, device
         self.world = mesh.size() if mesh is not None else 1
         self.step = 0
-        state = init_state_dict(model_cfg, vocab_size, seed)  # identical on every rank (same seed)
+        # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
+        # identical on every rank (same seed)
+        state = None if model_cfg.path else init_state_dict(model_cfg, vocab_size, seed)
         self.model = self._build(model_cfg, vocab_size, state)
         self.ref_model = None
         if trainer_cfg.kl_coef > 0:
@@ -37,6 +39,11 @@ class TrainerEngine:
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
 
     def _build(self, model_cfg, vocab_size, state):
+        if state is None:
+            from rltpu.hf.load import build_policy
+
+            shard = (lambda m: parallelize_llama(m, self.mesh)) if self.mesh is not None else None
+            return build_policy(model_cfg, vocab_size, shard, self.device)
         model = LlamaForCausalLM(model_cfg, vocab_size)
         model.load_state_dict(state)
         model.to(self.device)

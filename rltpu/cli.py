@@ -1,6 +1,8 @@
 """``rltpu`` command line.
 
     rltpu train configs/quickstart.yaml [trainer.lr=3e-3 ...] [--address HOST:PORT] [--resume]
+    rltpu export RUN_DIR/checkpoint OUT_DIR          # a Hugging Face directory of the policy
+    rltpu tiny-checkpoint OUT_DIR --arch qwen2       # a tiny random HF checkpoint for dry runs
     rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
 
 User errors (config, placement) print one line and exit with code 2, with no traceback.
@@ -109,6 +111,28 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from rltpu.hf.export import export_checkpoint
+
+    try:
+        summary = export_checkpoint(args.checkpoint, args.out_dir)
+    except (ConfigError, ValueError, OSError) as err:
+        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    import json
+
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_tiny_checkpoint(args) -> int:
+    from rltpu.hf.tiny import run
+
+    try:
+        return run(args)
+    except (ConfigError, ValueError) as err:
+        return _fail(str(err))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``rltpu: error: ...``, exit 2), like config errors."""
 
@@ -127,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="override run_dir")
     p.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoint")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("export", help="write a run checkpoint as a Hugging Face directory")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoint")
+    p.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
+    p.set_defaults(func=cmd_export, overrides=[])
+    from rltpu.hf.tiny import add_arguments
+
+    p = sub.add_parser("tiny-checkpoint", help="write a tiny random HF checkpoint (needs transformers)")
+    add_arguments(p)
+    p.set_defaults(func=cmd_tiny_checkpoint, overrides=[])
     q = sub.add_parser("plan", help="rank chip placements for a config: memory, step time, why (starts nothing)")
     q.add_argument("config", help="YAML config (the same file `rltpu train` takes)")
     q.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.topology=4x4")

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -90,25 +91,80 @@ class PlacementConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
-    """A Llama-style decoder; names and shapes follow Hugging Face ``LlamaConfig``."""
+class RopeScaling(_Section):
+    """RoPE frequency scaling as a checkpoint's config.json gives it (HF ``rope_scaling``)."""
 
+    rope_type: Literal["linear", "llama3"]
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)  # llama3 only
+    high_freq_factor: float = Field(4.0, gt=0)  # llama3 only
+    original_max_position_embeddings: int | None = Field(None, ge=1)  # llama3 only
+
+    @model_validator(mode="after")
+    def _llama3(self) -> "RopeScaling":
+        if self.rope_type == "llama3" and self.original_max_position_embeddings is None:
+            raise ValueError("rope_scaling of type llama3 needs original_max_position_embeddings")
+        return self
+
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCH_FIELDS = (  # the fields a checkpoint's config.json decides when model.path is set
+    "architecture", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "vocab_size", "attention_bias", "attention_out_bias", "qk_norm", "sliding_window",
+    "layer_types",
+)
+
+
+class ModelConfig(_Section):
+    """A Llama-family decoder; names and shapes follow Hugging Face ``LlamaConfig`` / ``Qwen2Config``...
+
+    With ``path`` (a local Hugging Face directory) every field in ``ARCH_FIELDS`` comes from its
+    config.json (``rltpu.hf.config``); the same field also set in the YAML must agree with it.
+    """
+
+    path: str | None = None  # local HF model dir (config.json + safetensors); never a hub id
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"  # HF family (for export)
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(256, ge=8)
     num_hidden_layers: int = Field(2, ge=1)
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int | None = Field(None, ge=2)  # None: hidden_size / num_attention_heads (Qwen3 sets it)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = Field(1e-5, gt=0)
     max_position_embeddings: int = Field(256, ge=8)
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_out_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias=true)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None = Field(None, ge=1)  # a query sees the last W positions (Mistral)
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None  # None: all slide if W set
     vocab_size: int | None = None  # None: taken from the tokenizer
     dtype: Literal["float32", "bfloat16"] = "float32"
     init_std: float = Field(0.02, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("path") is not None:
+            from rltpu.hf.config import merge_checkpoint_config
+
+            data = merge_checkpoint_config(data)  # ValueError (one line) on disagreement or a bad file
+        if data.get("head_dim") is None:
+            hidden = data.get("hidden_size", cls.model_fields["hidden_size"].default)
+            heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
+            if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+                data["head_dim"] = hidden // heads
+        return data
+
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
             )
@@ -117,13 +173,25 @@ class ModelConfig(_Section):
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError("head_dim (hidden_size / num_attention_heads) must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        if self.layer_types and "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         return self
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    @field_serializer("head_dim")
+    def _ser_head_dim(self, v: int | None) -> int | None:
+        # the derived value is not written out, so a dumped config stays correct if sizes change
+        return None if v == self.hidden_size // self.num_attention_heads else v
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None: full causal attention)."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[i] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
 
 DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")

@@ -5,6 +5,8 @@ layout kept (we compute ``x @ W.T``), so weight sync is a rename-free copy. ``fo
 ``rltpu.models.torch_llama`` op for op (fp32 norms, RoPE angles, scores and softmax);
 ``forward_with_cache`` is the same math over a static-shape KV cache for a jitted sampler.
 ``cfg`` is a frozen (hashable) ``ModelConfig``: pass it as a static argument under ``jit``.
+The Qwen2 biases, Qwen3 q/k norms, Llama 3 RoPE scaling and Mistral sliding window are local
+switches on ``cfg`` (a layer without them compiles to exactly the plain Llama program).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rltpu.config import ModelConfig
+from rltpu.models import rope_inv_freq
 
 Params = Mapping[str, jax.Array]
 _F32 = jnp.float32
@@ -54,9 +57,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles in fp32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=_F32) / head_dim))
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype: Any,
+                 scaling: Any = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles in fp32 (``rope_inv_freq``, shared with torch)."""
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
     freqs = positions.astype(_F32)[:, :, None] * inv_freq[None, None, :]  # [B, T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, hd]
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
@@ -87,14 +91,30 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax
 
 
 def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Projected q [B, T, nh, hd] and k, v [B, T, nkv, hd] for layer i, RoPE applied to q and k."""
+    """Projected q [B, T, nh, hd] and k, v [B, T, nkv, hd] for layer i, RoPE applied to q and k
+    (after the per-head q/k RMSNorm when ``cfg.qk_norm``)."""
     p = f"model.layers.{i}.self_attn."
     B, T, _ = h.shape
     hd = cfg.head_dim
-    q = _linear(h, params[p + "q_proj.weight"]).reshape(B, T, cfg.num_attention_heads, hd)
-    k = _linear(h, params[p + "k_proj.weight"]).reshape(B, T, cfg.num_key_value_heads, hd)
-    v = _linear(h, params[p + "v_proj.weight"]).reshape(B, T, cfg.num_key_value_heads, hd)
+
+    def proj(name: str, heads: int) -> jax.Array:
+        y = _linear(h, params[p + name + ".weight"])
+        if cfg.attention_bias:
+            y = y + params[p + name + ".bias"]
+        return y.reshape(B, T, heads, hd)
+
+    q, k, v = proj("q_proj", cfg.num_attention_heads), proj("k_proj", cfg.num_key_value_heads), \
+        proj("v_proj", cfg.num_key_value_heads)
+    if cfg.qk_norm:
+        q = rms_norm(q, params[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, params[p + "k_norm.weight"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _out_proj(params: Params, cfg: ModelConfig, i: int, att: jax.Array) -> jax.Array:
+    p = f"model.layers.{i}.self_attn.o_proj."
+    y = _linear(att, params[p + "weight"])
+    return y + params[p + "bias"] if cfg.attention_out_bias else y
 
 
 def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Array:
@@ -117,14 +137,17 @@ def forward(
     """[B, T] ids/positions/mask (1 real, 0 pad) -> fp32 logits [B, T, V]; no cache."""
     T = input_ids.shape[1]
     x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
-    cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
     idx = jnp.arange(T)
     causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
-    allowed = (causal[None] & attention_mask.astype(bool)[:, None, :]) | jnp.eye(T, dtype=bool)[None]  # [B, T, T]
+    allowed = causal[None] & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
+    eye = jnp.eye(T, dtype=bool)[None]
     for i in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(i)  # sliding window: keys fewer than w positions back
+        ok = allowed if w is None else allowed & ((position_ids[:, :, None] - position_ids[:, None, :]) < w)
         h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
         q, k, v = _qkv(params, cfg, i, h, cos, sin)
-        x = x + _linear(_attend(q, k, v, allowed), params[f"model.layers.{i}.self_attn.o_proj.weight"])
+        x = x + _out_proj(params, cfg, i, _attend(q, k, v, ok | eye))
         x = _mlp_block(params, cfg, i, x)
     return _logits(params, cfg, x)
 
@@ -171,19 +194,27 @@ def forward_with_cache(
     query in slot ``cache_index+t`` sees slots ``s <= cache_index+t`` with ``kv_mask[b, s]``
     (plus its own slot, so pad queries stay finite). Shapes are static; ``cache_index`` may be
     traced. Slots must not run past S (``dynamic_update_slice`` would clamp the start).
+    A sliding-window layer also hides slots ``s <= q_slot - W``: slots stand in for positions,
+    which holds because a row's real tokens occupy consecutive slots (left-padded prompt, then
+    one slot per new token).
     """
     T = input_ids.shape[1]
     S = cache["k"][0].shape[2]
     ci = jnp.asarray(cache_index, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
     q_slot = ci + jnp.arange(T, dtype=jnp.int32)  # [T]
     s = jnp.arange(S, dtype=jnp.int32)
     allowed = (s[None, :] <= q_slot[:, None])[None] & kv_mask.astype(bool)[:, None, :]  # [B, T, S]
-    allowed = allowed | (s[None, :] == q_slot[:, None])[None]
+    own = (s[None, :] == q_slot[:, None])[None]
+    masks = {None: allowed | own}
     ks, vs = list(cache["k"]), list(cache["v"])
     for i in range(cfg.num_hidden_layers):
+        w = cfg.layer_window(i)
+        if w not in masks:
+            masks[w] = (allowed & (s[None, :] > q_slot[:, None] - w)[None]) | own
+        allowed_i = masks[w]
         h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
         q, k, v = _qkv(params, cfg, i, h, cos, sin)  # k, v [B, T, nkv, hd]
         start = (zero, zero, ci, zero)
@@ -191,9 +222,9 @@ def forward_with_cache(
         vs[i] = lax.dynamic_update_slice(vs[i], jnp.swapaxes(v, 1, 2).astype(vs[i].dtype), start)
         ki, vi = ks[i].astype(x.dtype), vs[i].astype(x.dtype)
         if T == 1:
-            att = _attend_one(q, ki, vi, allowed[:, 0])
+            att = _attend_one(q, ki, vi, allowed_i[:, 0])
         else:
-            att = _attend(q, jnp.swapaxes(ki, 1, 2), jnp.swapaxes(vi, 1, 2), allowed)
-        x = x + _linear(att, params[f"model.layers.{i}.self_attn.o_proj.weight"])
+            att = _attend(q, jnp.swapaxes(ki, 1, 2), jnp.swapaxes(vi, 1, 2), allowed_i)
+        x = x + _out_proj(params, cfg, i, att)
         x = _mlp_block(params, cfg, i, x)
     return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}

@@ -1,4 +1,7 @@
-"""The trainer's policy: a Llama decoder in plain torch with Hugging Face parameter names.
+"""The trainer's policy: a Llama-family decoder in plain torch with Hugging Face parameter names.
+
+One module covers Llama (incl. Llama 3 RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (per-head q/k
+RMSNorm, explicit head_dim) and Mistral (sliding window), switched by ``ModelConfig`` fields.
 
 Kept free of caches and fused kernels so FSDP2 can wrap each ``LlamaDecoderLayer`` and the
 numbers match ``rltpu.models.jax_llama`` (the sampler) to fp32 rounding. Norms, RoPE angles
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rltpu.config import ModelConfig
-from rltpu.models import param_shapes, resolve_vocab_size
+from rltpu.models import param_shapes, resolve_vocab_size, rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,10 +36,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    """cos/sin [B, T, hd] for HF "rotate_half" RoPE; angles computed in fp32 (``rope_inv_freq``)."""
+    inv_freq = torch.from_numpy(rope_inv_freq(head_dim, theta, scaling)).to(position_ids.device)
     freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [B, T, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -53,12 +56,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def attention_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: causal AND key is real, OR the diagonal (so pad rows stay finite)."""
+def attention_allowed(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      window: int | None = None) -> torch.Tensor:
+    """[B, 1, T, T] bool: causal AND key is real, OR the diagonal (so pad rows stay finite).
+
+    With ``window`` a query also sees only keys fewer than ``window`` positions back (HF's
+    sliding window: ``q - k < window``), measured in ``position_ids``.
+    """
     T = attention_mask.shape[1]
     idx = torch.arange(T, device=attention_mask.device)
     causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
     allowed = causal[None] & attention_mask.bool()[:, None, :]  # [B, T, T]
+    if window is not None:
+        allowed = allowed & ((position_ids[:, :, None] - position_ids[:, None, :]) < window)
     allowed = allowed | torch.eye(T, dtype=torch.bool, device=attention_mask.device)[None]
     return allowed[:, None]
 
@@ -70,16 +80,23 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         H = cfg.hidden_size
-        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=cfg.attention_out_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
-        q = self.q_proj(x).view(B, T, self.n_heads, hd).transpose(1, 2)  # [B, nh, T, hd]
-        k = self.k_proj(x).view(B, T, self.n_kv, hd).transpose(1, 2)  # [B, nkv, T, hd]
+        q = self.q_proj(x).view(B, T, self.n_heads, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, nh, T, hd], [B, nkv, T, hd]
         v = self.v_proj(x).view(B, T, self.n_kv, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv
@@ -165,16 +182,19 @@ class LlamaForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        allowed = attention_allowed(attention_mask)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, allowed)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope_scaling)
+        masks = {}  # one mask per distinct window (None = full causal)
+        for i, layer in enumerate(self.model.layers):
+            w = self.cfg.layer_window(i)
+            if w not in masks:
+                masks[w] = attention_allowed(attention_mask, position_ids, w)
+            x = layer(x, cos, sin, masks[w])
         x = self.model.norm(x)
         return F.linear(x, self.output_weight()).float()
 
 
 def init_state_dict(cfg: ModelConfig, vocab_size: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic initial weights on CPU: N(0, init_std) for matrices, ones for norms.
+    """Deterministic initial weights on CPU: N(0, init_std) for matrices, ones for norms, zero biases.
 
     Drawn in fp32 from one generator in ``param_shapes`` order, then cast to ``cfg.dtype``,
     so fp32 and bf16 runs with the same seed start from the same (rounded) values.
@@ -182,7 +202,9 @@ def init_state_dict(cfg: ModelConfig, vocab_size: int | None = None, seed: int =
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(cfg, vocab_size).items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            t = torch.zeros(shape)
+        elif len(shape) == 1:
             t = torch.ones(shape)
         else:
             t = torch.empty(shape).normal_(0.0, cfg.init_std, generator=gen)
