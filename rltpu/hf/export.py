@@ -37,7 +37,7 @@ def write_char_tokenizer(out: Path, alphabet: str) -> dict:
     ct = CharTokenizer(alphabet)
     vocab = {ct.PAD: ct.pad_id, ct.BOS: ct.bos_id, ct.EOS: ct.eos_id, **{c: i + 3 for i, c in enumerate(alphabet)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([ct.PAD, ct.BOS, ct.EOS])
     tok.post_processor = processors.TemplateProcessing(single=f"{ct.BOS} $A", pair=f"{ct.BOS} $A $B",
