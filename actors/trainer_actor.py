@@ -39,6 +39,9 @@ class TrainerActor:
     def train_step(self, batch: dict) -> dict:
         return self.engine.train_step(batch)
 
+    def logprobs(self, batch: dict, reference: bool = False):
+        return self.engine.logprobs(batch, reference)
+
     def push_weights(self, spec, version: int) -> dict | None:
         from rltpu.weight_sync import send_weights
 

@@ -1,28 +1,31 @@
-"""GRPO advantages and the clipped policy loss, as pure tensor functions.
+"""Advantage estimators, KL estimators and the clipped policy loss, as pure tensor functions.
 
-Registered by name so later estimators (RLOO, REINFORCE++, PPO/GAE) slot in beside them; each is
-tested against a hand computation in ``tests/test_losses.py``.
+Names follow what users know from verl / TRL / OpenRLHF: estimators ``grpo``, ``drgrpo``, ``rloo``,
+``reinforce_pp``, ``reinforce_pp_baseline`` (+ ``gae`` for a critic); KL estimators ``k1 k2 k3``;
+loss aggregation ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
+``seq-mean-token-sum-norm``. Each is tested against a hand computation in ``tests/test_losses.py``.
+
+Advantages are per token, ``(R, T)`` over completion tokens: outcome estimators broadcast one value
+per sequence; REINFORCE++ and GAE vary along the sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def register_advantage(name: str):
-    def deco(fn):
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
+    return rewards.float().view(-1, group_size)  # (P, G)
 
 
-@register_advantage("grpo")
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages: ``(r - mean_group) / (std_group + eps)``.
 
@@ -30,24 +33,156 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, 
     The std is the sample (unbiased) std, as in TRL; ``scale=False`` keeps only the mean baseline
     (Dr. GRPO). A group whose rewards are all equal gets advantage 0 (no signal).
     """
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
-    r = rewards.float().view(-1, group_size)  # (P, G)
+    r = _groups(rewards, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     return adv.view(-1)
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out: ``r_i - mean_{j != i} r_j`` (= G/(G-1) times the group-mean baseline)."""
+    r = _groups(rewards, group_size)
+    others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - others).view(-1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / std`` over the masked entries (population std), zero where masked out."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` along each row, over masked tokens; (R, T) -> (R, T)."""
+    m = mask.float()
+    out = torch.zeros_like(token_rewards, dtype=torch.float32)
+    running = torch.zeros(token_rewards.shape[0], dtype=torch.float32)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = (token_rewards[:, t].float() + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sequence reward placed on each row's last loss token; (R,), (R, T) -> (R, T)."""
+    m = mask.float()
+    last = (m.cumsum(1) == m.sum(1, keepdim=True)) & (m > 0)  # the final masked position of each row
+    return last.float() * rewards.float()[:, None]
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over masked tokens; returns ``(advantages, returns)``.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V`` past the last token is 0),
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, ``returns = A + V``; all (R, T).
+    """
+    m = mask.float()
+    v = values.float() * m
+    adv = torch.zeros_like(v)
+    next_v = torch.zeros(v.shape[0])
+    running = torch.zeros(v.shape[0])
+    for t in range(v.shape[1] - 1, -1, -1):
+        delta = token_rewards[:, t].float() + gamma * next_v - v[:, t]
+        running = (delta + gamma * lam * running) * m[:, t]
+        adv[:, t] = running
+        next_v = torch.where(m[:, t] > 0, v[:, t], next_v)
+    return adv, (adv + v) * m
+
+
+def token_advantages(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, group_size: int,
+                     scale: bool = True, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
+                     gamma: float = 1.0) -> torch.Tensor:
+    """Per-token advantages ``(R, T)`` for ``estimator`` from sequence rewards ``(R,)``.
+
+    ``kl`` (R, T), when given, is a per-token KL estimate put *in the reward* (``- kl_coef * kl``):
+    summed into the sequence reward for the outcome estimators, kept per token for REINFORCE++.
+    """
+    m = mask.float()
+    r = rewards.float()
+    if estimator in ("grpo", "drgrpo", "rloo"):
+        if kl is not None:
+            r = r - kl_coef * (kl.float() * m).sum(1)
+        if estimator == "rloo":
+            adv = rloo_advantages(r, group_size)
+        else:
+            adv = grpo_advantages(r, group_size, scale=scale and estimator == "grpo")
+        return adv[:, None] * m
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        if estimator == "reinforce_pp_baseline":
+            g = _groups(r, group_size)
+            r = (g - g.mean(dim=1, keepdim=True)).view(-1)
+        tr = outcome_token_rewards(r, m)
+        if kl is not None:
+            tr = tr - kl_coef * kl.float() * m
+        return whiten(discounted_returns(tr, m, gamma), m)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1 / k2 / k3).
+
+    With ``d = ref_logp - logp``: k1 = ``-d`` (unbiased, high variance, can be negative),
+    k2 = ``d^2 / 2``, k3 = ``exp(d) - d - 1`` (unbiased, non-negative, low variance).
+    """
+    d = ref_logp - logp
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; allowed: {', '.join(KL_ESTIMATORS)}")
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp``."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    return kl_estimate(logp, ref_logp, "k3")
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Global-batch counts that make per-rank sums add up to one batch-level aggregate.
+
+    ``world`` undoes FSDP's averaging of gradients over ranks (each rank's loss is a share of the
+    global aggregate, so the gradients must be summed, not averaged).
+    """
+
+    tokens: float  # loss tokens in the global batch
+    seqs: float  # sequences (rows) in the global batch
+    max_len: int = 1  # completion token budget: Dr.GRPO's constant normaliser
+    world: int = 1
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to this rank's share of the global aggregate ``mode``:
+
+    token-mean               sum over all tokens / global token count
+    seq-mean-token-sum       per-sequence token sums, mean over sequences
+    seq-mean-token-mean      per-sequence token means, mean over sequences
+    seq-mean-token-sum-norm  sum over all tokens / (sequences x max_len)   (Dr.GRPO)
+    """
+    m = mask.float()
+    x = per_token * m
+    if mode == "token-mean":
+        out = x.sum() / max(scale.tokens, 1.0)
+    elif mode == "seq-mean-token-sum":
+        out = x.sum() / max(scale.seqs, 1.0)
+    elif mode == "seq-mean-token-mean":
+        out = (x.sum(1) / m.sum(1).clamp(min=1)).sum() / max(scale.seqs, 1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        out = x.sum() / max(scale.seqs * scale.max_len, 1.0)
+    else:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
+    return out * scale.world
 
 
 @dataclass
 class LossOut:
-    loss: torch.Tensor  # scalar to backprop (already divided by the global token count)
+    loss: torch.Tensor  # scalar to backprop (this rank's share of the global aggregate)
     pg_sum: float  # sum over tokens of the policy-gradient term
     kl_sum: float  # sum over tokens of the KL estimate
     clipped: float  # number of tokens whose ratio was clipped
@@ -55,44 +190,52 @@ class LossOut:
     entropy_sum: float = 0.0  # sum over tokens of the policy entropy
 
 
-def grpo_loss(
+def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
-    normalizer: float,
+    scale: LossScale,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    agg_mode: str = "token-mean",
+    dual_clip_c: float | None = None,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> LossOut:
-    """Clipped surrogate, token-level mean over the whole (global) batch.
+    """PPO-style clipped surrogate with DAPO's asymmetric clip and an optional dual clip.
 
-    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy``: (B, T) over completion tokens;
-    ``advantages``: (B,). ``normalizer`` is the number of loss tokens in the *global* batch, so
-    ranks that see different token counts still add up to one token-mean.
+    ``ratio`` is clipped to ``[1 - clip_low, 1 + clip_high]`` (clip-higher: ``clip_high > clip_low``
+    lets rare tokens gain probability); with ``dual_clip_c`` the loss of a negative-advantage token
+    is capped at ``-c * A``. Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy``:
+    (B, T) over completion tokens; ``advantages``: (B, T) or (B,) (broadcast along T).
     """
+    clip_high = clip_low if clip_high is None else clip_high
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)
-    adv = advantages.float().unsqueeze(1)  # (B, 1)
+    adv = advantages.float()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
     surr1 = ratio * adv
-    surr2 = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    surr2 = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     pg = -torch.minimum(surr1, surr2)  # (B, T)
+    if dual_clip_c is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip_c * adv), pg)
     per_token = pg
     kl = torch.zeros_like(pg)
     if ref_logp is not None and kl_coef > 0:
-        kl = kl_k3(logp, ref_logp)
+        kl = kl_estimate(logp, ref_logp, kl_estimator)
         per_token = pg + kl_coef * kl
     ent_sum = 0.0
     if entropy is not None:
         ent_sum = float((entropy.detach() * mask).sum())
         if entropy_coef > 0:  # bonus: keeps exploring while groups still disagree
             per_token = per_token - entropy_coef * entropy
-    loss = (per_token * mask).sum() / normalizer
     clipped = ((surr2 < surr1).float() * mask).sum()
     return LossOut(
-        loss=loss,
+        loss=aggregate(per_token, mask, agg_mode, scale),
         pg_sum=float((pg * mask).sum().detach()),
         kl_sum=float((kl * mask).sum().detach()),
         clipped=float(clipped),

@@ -1,12 +1,13 @@
-"""The trainer engine: one rank of the FSDP2 policy, a GRPO update per call.
+"""The trainer engine: one rank of the FSDP2 policy, one policy update per call.
 
 Testable without Ray: give it a process group (or none for a single process). The Ray actor in
 ``actors/trainer_actor.py`` only forwards to it.
 
-One ``train_step`` reads straight down: forward -> token logprobs -> GRPO loss -> backward ->
-clip -> AdamW step. The batch arrives already split by rank; ``global_tokens`` (the loss-token
-count over all ranks) makes the per-rank losses add up to one token-mean, and the ``world``
-factor undoes FSDP's gradient averaging across ranks.
+One ``train_step`` reads straight down: forward -> token logprobs -> clipped policy loss
+(``learner.losses.policy_loss``, the algorithm's options from ``TrainerConfig``) -> backward ->
+clip -> AdamW step. The batch arrives already split by rank, advantages computed; the global
+token and row counts (``global_tokens``, ``global_seqs``) make the per-rank losses add up to one
+aggregate over the whole batch, and the ``world`` factor undoes FSDP's gradient averaging.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from learner.fsdp import full_state_dict, parallelize_llama
-from learner.losses import grpo_loss, token_entropy, token_logprobs
+from learner.losses import LossScale, policy_loss, token_entropy, token_logprobs
 from learner.optim import build_optimizer
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
 
@@ -54,35 +55,57 @@ class TrainerEngine:
     # -- the update -------------------------------------------------------------------------
     def _tensors(self, batch: dict) -> dict:
         # np.array copies: arrays from the Ray object store are read-only views
-        return {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in batch.items() if k != "global_tokens"}
+        return {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in batch.items()
+                if isinstance(v, np.ndarray)}
 
     def _policy_logp(self, model, b: dict, with_entropy: bool = False):
         logits = model(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]  # (B, L-1, V)
         logp = token_logprobs(logits, b["tokens"][:, 1:], self.temperature)  # (B, L-1)
         return (logp, token_entropy(logits, self.temperature)) if with_entropy else logp
 
-    def loss(self, batch: dict):
+    def loss(self, batch: dict, old_logp: torch.Tensor | None = None):
+        """This rank's share of the policy loss, and the sampler-vs-trainer logprob gap (a sum)."""
+        c = self.cfg
         b = self._tensors(batch)
         logp, entropy = self._policy_logp(self.model, b, with_entropy=True)
         ref = None
-        if self.ref_model is not None:
+        if self.ref_model is not None and not c.kl_in_reward:
             with torch.no_grad():
                 ref = self._policy_logp(self.ref_model, b)
-        out = grpo_loss(
-            logp, b["old_logprobs"][:, 1:], b["advantages"], b["loss_mask"][:, 1:], self.cfg.clip_eps,
-            normalizer=float(batch["global_tokens"]) / self.world, ref_logp=ref, kl_coef=self.cfg.kl_coef,
-            entropy=entropy, entropy_coef=self.cfg.entropy_coef,
+        mask = b["loss_mask"][:, 1:]
+        sampler_logp = b["old_logprobs"][:, 1:]
+        scale = LossScale(tokens=float(batch["global_tokens"]), seqs=float(batch["global_seqs"]),
+                          max_len=int(batch.get("max_new_tokens", mask.shape[1])), world=self.world)
+        out = policy_loss(
+            logp, sampler_logp if old_logp is None else old_logp, b["advantages"][:, 1:], mask, scale,
+            clip_low=c.clip_eps, clip_high=c.clip_eps_high, agg_mode=c.resolved_loss_agg_mode,
+            dual_clip_c=c.dual_clip_c, ref_logp=ref, kl_coef=c.kl_coef, kl_estimator=c.kl_estimator,
+            entropy=entropy, entropy_coef=c.entropy_coef,
         )
-        gap = ((logp.detach() - b["old_logprobs"][:, 1:]).abs() * b["loss_mask"][:, 1:]).sum()
+        gap = ((logp.detach() - sampler_logp).abs() * mask).sum()
         return out, float(gap)
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict, reference: bool = False) -> np.ndarray:
+        """Per-token logprobs (R, L) aligned with ``batch["tokens"]`` (0 at position 0), from the
+        policy or the frozen reference; for KL in the reward and old-logprob recomputation."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: set trainer.kl_coef > 0")
+        b = self._tensors(batch)
+        lp = self._policy_logp(model, b)
+        return torch.nn.functional.pad(lp, (1, 0)).float().cpu().numpy()
 
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
         stats = {}
         gap = 0.0
+        old = None
+        if self.cfg.recompute_old_logprobs:  # the ratio's denominator from this trainer, not the sampler
+            old = torch.from_numpy(self.logprobs(batch)[:, 1:]).to(self.device)
         for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            out, gap_now = self.loss(batch)
+            out, gap_now = self.loss(batch, old)
             if epoch == 0:
                 gap = gap_now  # sampler-vs-trainer logprob gap, measured before any update
             out.loss.backward()
@@ -114,7 +137,7 @@ class TrainerEngine:
 
     @torch.no_grad()
     def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:
-        t = lambda x: torch.as_tensor(np.asarray(x), device=self.device)  # noqa: E731
+        t = lambda x: torch.as_tensor(np.array(x), device=self.device)  # noqa: E731  (copy: Ray arrays are read-only)
         return self.model(t(tokens), t(position_ids), t(attention_mask)).float().cpu().numpy()
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -277,7 +277,7 @@ class SamplerConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """GRPO on the FSDP2-wrapped policy."""
+    """The policy update on the FSDP2-wrapped policy: algorithm, optimizer, loss options."""
 
     steps: int = Field(60, ge=1)
     prompts_per_step: int = Field(16, ge=1)
@@ -291,6 +291,31 @@ class TrainerConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus per token (exploration from random init)
     ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
     scale_rewards: bool = True  # divide advantages by the group std (GRPO); False = Dr.GRPO style
+    # the algorithm (learner/losses.py): advantage estimator, loss aggregation, clipping, KL
+    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    # None: "seq-mean-token-sum-norm" for drgrpo, "token-mean" otherwise
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] | None = None
+    clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28); None = clip_eps
+    dual_clip_c: float | None = Field(None, gt=1)  # cap a negative-advantage token's loss at -c*A
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False  # False: kl_coef * KL in the loss; True: subtracted from the reward
+    gamma: float = Field(1.0, gt=0, le=1)  # discount for per-token returns (REINFORCE++)
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, sample more to refill the batch
+    max_sample_rounds: int = Field(4, ge=1)  # dynamic sampling: sampler calls per step at most
+    recompute_old_logprobs: bool = False  # trust the trainer, not the sampler, for the ratio's old logp
+
+    @model_validator(mode="after")
+    def _algorithm(self) -> "TrainerConfig":
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward=true needs kl_coef > 0 (the penalty's weight); set trainer.kl_coef")
+        return self
+
+    @property
+    def resolved_loss_agg_mode(self) -> str:
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq-mean-token-sum-norm" if self.algorithm == "drgrpo" else "token-mean"
 
 
 class SyncConfig(_Section):

@@ -21,13 +21,16 @@ import sys
 import time
 
 import numpy as np
+import torch
 
+from learner.losses import kl_estimate
 from rltpu.cluster import PlacementError, start_or_join
 from rltpu.config import RunConfig, save_config
 from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.metrics import MetricsWriter
 from rltpu.rewards import load_reward_fn
-from rltpu.rollout import build_train_batch, merge_generations, score, split_by_rank, split_prompts
+from rltpu.rollout import (build_train_batch, keep_informative_groups, merge_generations, score,
+                           select_groups, split_by_rank, split_prompts, train_layout)
 from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
 from rltpu.weight_sync import param_spec
 
@@ -228,17 +231,19 @@ class Controller:
         G = cfg.sampler.group_size
         t_step = time.perf_counter()
         self._phase = "sample"
-        examples = self.data.next_batch(cfg.trainer.prompts_per_step)
-        prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
-        check_prompt_lengths(prompt_ids, examples, cfg.sampler)
-        shards = split_prompts(prompt_ids, len(self.samplers))
-        seed = cfg.seed * 1_000_003 + self.step_idx * 131
         t0 = time.perf_counter()
-        outs = ray.get([s.generate.remote(sh, G, seed + r) for r, (s, sh) in enumerate(zip(self.samplers, shards))])
+        gen, rewards, outs, ds = self._sample_scored(G)
         sample_s = time.perf_counter() - t0
-        gen = merge_generations(outs, self.tokenizer.pad_id)
-        rewards, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
-        batch = build_train_batch(gen, rewards, G, cfg.trainer.scale_rewards)
+        tc = cfg.trainer
+        kl = None
+        if tc.kl_in_reward:  # the reference's logprobs first: the penalty shapes the advantages
+            layout = train_layout(gen)
+            parts = split_by_rank(layout | {"advantages": np.zeros(len(rewards))}, len(self.trainers))
+            ref = np.concatenate(ray.get([t.logprobs.remote(b, True) for t, b in zip(self.trainers, parts)]))
+            kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
+            kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
+        batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
+                                  kl_coef=tc.kl_coef, gamma=tc.gamma)
         t1 = time.perf_counter()
         parts = split_by_rank(batch, len(self.trainers))
         refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
@@ -257,7 +262,9 @@ class Controller:
         padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
         return {
             "step": self.step_idx, "weight_version": self.version, "emulated": self.emulated,
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "reward_mean": ds.get("reward_mean_sampled", float(rewards.mean())), "reward_std": float(rewards.std()),
+            "kl_in_reward": float(kl.sum() / max(batch["loss_mask"].sum(), 1)) if kl is not None else None,
+            **ds,
             "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
             "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
@@ -272,6 +279,52 @@ class Controller:
             "sync_bytes": sync["bytes"], "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
             "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
         }
+
+    def _sample_scored(self, G: int) -> tuple[dict, np.ndarray, list[dict], dict]:
+        """Sample and score ``prompts_per_step`` prompts x G; with ``trainer.dynamic_sampling`` keep
+        only groups whose rewards differ (DAPO), sampling more prompts until the batch is full.
+
+        Returns the merged generations, their rewards, the per-sampler outputs (for accounting)
+        and dynamic-sampling metrics. If ``max_sample_rounds`` calls do not fill the batch, it is
+        topped up with zero-variance groups (zero advantage; counted in ``ds_filler_groups``).
+        """
+        cfg, n = self.cfg, self.cfg.trainer.prompts_per_step
+        kept_gen, kept_rewards, spare, outs_all, sampled = [], [], [], [], []
+        rounds, have, seen = 0, 0, 0
+        while have < n and rounds < (cfg.trainer.max_sample_rounds if cfg.trainer.dynamic_sampling else 1):
+            examples = self.data.next_batch(n)
+            prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
+            check_prompt_lengths(prompt_ids, examples, cfg.sampler)
+            shards = split_prompts(prompt_ids, len(self.samplers))
+            seed = cfg.seed * 1_000_003 + self.step_idx * 131 + rounds * 7
+            outs = self._ray.get([s.generate.remote(sh, G, seed + r)
+                                  for r, (s, sh) in enumerate(zip(self.samplers, shards))])
+            gen = merge_generations(outs, self.tokenizer.pad_id)
+            rewards, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
+            outs_all.append(outs)
+            sampled.append(rewards)
+            rounds, seen = rounds + 1, seen + n
+            if not cfg.trainer.dynamic_sampling:
+                return gen, rewards, outs, {}
+            keep = keep_informative_groups(rewards, G)
+            drop = np.setdiff1d(np.arange(n), keep)
+            kept_gen.append(select_groups(gen, keep, G))
+            kept_rewards.append(rewards.reshape(n, G)[keep].reshape(-1))
+            spare.append((select_groups(gen, drop, G), rewards.reshape(n, G)[drop].reshape(-1)))
+            have += len(keep)
+        filler = max(n - have, 0)
+        if filler:
+            kept_gen += [g for g, _ in spare]
+            kept_rewards += [r for _, r in spare]
+        gen = merge_generations(kept_gen, self.tokenizer.pad_id)
+        gen = select_groups(gen, np.arange(n), G)  # exactly n groups, informative ones first
+        rewards = np.concatenate(kept_rewards)[: n * G]
+        # reward_mean: over everything sampled this step (the policy's real score); the kept batch's
+        # mean is biased upward by the filter and is reported beside it
+        return gen, rewards, [o for outs in outs_all for o in outs], {
+            "ds_rounds": rounds, "ds_prompts_sampled": seen, "ds_informative_groups": min(have, n),
+            "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
+            "reward_mean_sampled": float(np.concatenate(sampled).mean())}
 
     def _sync(self, version: int) -> dict:
         t0 = time.perf_counter()

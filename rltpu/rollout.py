@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from learner.losses import grpo_advantages
+from learner.losses import token_advantages
 
 
 def merge_generations(outs: list[dict], pad_id: int) -> dict:
-    """Concatenate per-sampler outputs, left-padding prompts to the widest prompt bucket used."""
+    """Concatenate per-sampler outputs (or already merged batches), left-padding prompts to the
+    widest prompt bucket used."""
     P = max(o["prompt"].shape[1] for o in outs)
 
     def lpad(a, fill):
@@ -26,7 +27,8 @@ def merge_generations(outs: list[dict], pad_id: int) -> dict:
         "tokens": np.concatenate([o["tokens"] for o in outs]),
         "logprobs": np.concatenate([o["logprobs"] for o in outs]),
         "lengths": np.concatenate([o["lengths"] for o in outs]),
-        "versions": np.concatenate([np.full(len(o["lengths"]), o["version"]) for o in outs]),
+        "versions": np.concatenate([o["versions"] if "versions" in o else np.full(len(o["lengths"]), o["version"])
+                                    for o in outs]),
     }
 
 
@@ -36,33 +38,64 @@ def score(gen: dict, examples: list[dict], group_size: int, tokenizer, reward_fn
     return rewards, texts
 
 
-def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rewards: bool) -> dict:
+def train_layout(gen: dict) -> dict:
+    """The fixed-shape token layout of a batch (R, P+T): prompt then completion, masks, positions,
+    the sampler's logprobs. Everything the trainer needs except the advantages."""
     prompt, pmask = gen["prompt"], gen["prompt_mask"]  # (R, P)
     tokens, lengths = gen["tokens"], gen["lengths"]  # (R, T), (R,)
-    R, P = prompt.shape
     T = tokens.shape[1]
     cmask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int32)  # (R, T) incl. EOS
     ppos = np.maximum(np.cumsum(pmask, axis=1) - 1, 0)
     cpos = pmask.sum(axis=1, keepdims=True) + np.arange(T)[None, :]
-    adv = grpo_advantages(torch.from_numpy(rewards), group_size, scale=scale_rewards).numpy()
     return {
         "tokens": np.concatenate([prompt, tokens], axis=1).astype(np.int64),  # (R, P+T)
         "position_ids": np.concatenate([ppos, cpos], axis=1).astype(np.int64),
         "attention_mask": np.concatenate([pmask, cmask], axis=1).astype(np.int64),
         "loss_mask": np.concatenate([np.zeros_like(pmask), cmask], axis=1).astype(np.float32),
         "old_logprobs": np.concatenate([np.zeros(pmask.shape, np.float32), gen["logprobs"] * cmask], axis=1),
-        "advantages": adv.astype(np.float32),
     }
 
 
+def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rewards: bool = True,
+                      estimator: str = "grpo", kl: np.ndarray | None = None, kl_coef: float = 0.0,
+                      gamma: float = 1.0) -> dict:
+    """``train_layout`` plus per-token ``advantages`` (R, P+T), zero on prompt and padding.
+
+    ``kl`` (R, P+T), aligned like ``old_logprobs``, is a per-token KL estimate to put in the
+    reward (``trainer.kl_in_reward``); see ``learner.losses.token_advantages``.
+    """
+    batch = train_layout(gen)
+    m = torch.from_numpy(batch["loss_mask"])
+    kl_t = torch.from_numpy(np.asarray(kl, np.float32)) if kl is not None else None
+    adv = token_advantages(estimator, torch.from_numpy(np.asarray(rewards, np.float32)), m, group_size,
+                           scale=scale_rewards, kl=kl_t, kl_coef=kl_coef, gamma=gamma)
+    return batch | {"advantages": adv.numpy().astype(np.float32), "max_new_tokens": int(gen["tokens"].shape[1])}
+
+
+def keep_informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """DAPO dynamic sampling: indices of the groups whose rewards are not all equal (a group with
+    zero variance has zero advantage everywhere and only dilutes the batch)."""
+    g = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    return np.flatnonzero(g.max(axis=1) > g.min(axis=1))
+
+
+def select_groups(gen: dict, groups: np.ndarray, group_size: int) -> dict:
+    """The rows of ``gen`` belonging to ``groups`` (prompt-major order kept)."""
+    rows = (np.asarray(groups)[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+    return {k: (v[rows] if isinstance(v, np.ndarray) and v.ndim >= 1 and len(v) == len(gen["lengths"]) else v)
+            for k, v in gen.items()}
+
+
 def split_by_rank(batch: dict, n: int) -> list[dict]:
-    """Contiguous row shards, one per trainer rank; each carries the global loss-token count."""
+    """Contiguous row shards, one per trainer rank; each carries the global loss-token and row counts."""
     rows = len(batch["advantages"])
     if rows % n:
         raise ValueError(f"{rows} rows cannot be split evenly over {n} trainer ranks")
     k = rows // n
     total = float(batch["loss_mask"].sum())
-    return [{key: v[i * k:(i + 1) * k] for key, v in batch.items()} | {"global_tokens": total} for i in range(n)]
+    counts = {"global_tokens": total, "global_seqs": float(rows)}
+    return [{key: v[i * k:(i + 1) * k] if isinstance(v, np.ndarray) else v for key, v in batch.items()} | counts
+            for i in range(n)]
 
 
 def split_prompts(items: list, n: int) -> list[list]:
