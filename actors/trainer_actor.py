@@ -34,13 +34,16 @@ class TrainerActor:
         device = self.rt.backend_info["device"]  # resolved once, by rltpu.backend
         mesh = DeviceMesh.from_group(self.rt.trainer_group, device)
         self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
-                                    self.cfg.sampler.temperature, mesh=mesh, device=device)
+                                    self.cfg.sampler.temperature, mesh=mesh, device=device, critic_cfg=self.cfg.critic)
 
     def train_step(self, batch: dict) -> dict:
         return self.engine.train_step(batch)
 
     def logprobs(self, batch: dict, reference: bool = False):
         return self.engine.logprobs(batch, reference)
+
+    def values(self, batch: dict):
+        return self.engine.values(batch)
 
     def push_weights(self, spec, version: int) -> dict | None:
         from rltpu.weight_sync import send_weights
@@ -60,15 +63,17 @@ class TrainerActor:
         state = self.engine.checkpoint_state(rank0_only=True)
         if state is None:
             return None
-        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"])
-        return str(save_checkpoint(path, state["model"], state["optimizer"], meta))
+        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"],
+                    critic_scheduler=state["critic_scheduler"])
+        return str(save_checkpoint(path, state["model"], state["optimizer"], meta, state["extra"]))
 
     def load_checkpoint(self, path: str) -> dict:
         from learner.checkpoint import load_checkpoint
 
         model_sd, optim_sd, meta = load_checkpoint(path)
+        extra = meta.pop("extra", {})
         self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
-                                          meta.get("rng"))
+                                          meta.get("rng"), extra, meta.get("critic_scheduler"))
         return meta
 
     def report(self) -> dict:

@@ -28,6 +28,7 @@ PRESETS = {
     "rloo": ["trainer.algorithm=rloo"],
     "reinforce_pp": ["trainer.algorithm=reinforce_pp"],
     "reinforce_pp_baseline": ["trainer.algorithm=reinforce_pp_baseline"],
+    "ppo": ["trainer.algorithm=ppo", "critic.lr=0.001"],
     "grpo_kl_in_reward": ["trainer.kl_coef=0.001", "trainer.kl_in_reward=true", "trainer.kl_estimator=k1"],
 }
 
@@ -41,7 +42,7 @@ def run(name: str, overrides: list[str], steps: int) -> dict:
     res = subprocess.run(exe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
     if res.returncode:
-        return {"command": " ".join(cmd), "error": res.stderr.strip().splitlines()[-1:]}
+        return {"command": " ".join(cmd), "error": res.stderr.strip().splitlines()[-8:]}
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {

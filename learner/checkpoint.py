@@ -3,6 +3,7 @@
 Layout of ``<run_dir>/checkpoint/``:
     model.safetensors        policy weights in Hugging Face names
     optimizer.safetensors    AdamW state, keys ``state.<param>.<exp_avg|exp_avg_sq|step>``
+    critic.safetensors, critic_optimizer.safetensors   PPO's value model and its AdamW state (if any)
     trainer_state.json       step, weight version, data cursor, torch RNG state, optimizer param groups,
                              scheduler, sha256 of each file
 A checkpoint is written to ``checkpoint.tmp``, fsynced, then renamed over the old one (the old
@@ -56,17 +57,22 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], param_groups: list) -
     return {"state": state, "param_groups": param_groups}
 
 
-def save_checkpoint(directory: Path, model_sd: dict, optim_sd: dict, meta: dict) -> Path:
+def save_checkpoint(directory: Path, model_sd: dict, optim_sd: dict, meta: dict,
+                    extra: dict[str, tuple[dict, dict]] | None = None) -> Path:
+    """``extra``: more trained modules by name (e.g. PPO's ``critic``), each (state dict, optimizer
+    state), written as ``<name>.safetensors`` and ``<name>_optimizer.safetensors``."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     prev = directory.with_name(directory.name + ".prev")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, tmp / "model.safetensors")
-    opt_tensors, groups = _flatten_optimizer(optim_sd)
-    save_file(opt_tensors, tmp / "optimizer.safetensors")
-    files = {name: _sha256(tmp / name) for name in ("model.safetensors", "optimizer.safetensors")}
-    state = dict(meta, optimizer_param_groups=groups, sha256=files)
+    groups = {}
+    for name, (msd, osd) in {"model": (model_sd, optim_sd), **(extra or {})}.items():
+        save_file({k: v.detach().cpu().contiguous() for k, v in msd.items()}, tmp / f"{name}.safetensors")
+        opt_tensors, groups[name] = _flatten_optimizer(osd)
+        save_file(opt_tensors, tmp / ("optimizer.safetensors" if name == "model" else f"{name}_optimizer.safetensors"))
+    files = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
+    state = dict(meta, optimizer_param_groups=groups.pop("model"), extra_param_groups=groups, sha256=files)
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -96,4 +102,7 @@ def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
             raise ValueError(f"checkpoint file {directory / name} is corrupt (sha256 mismatch)")
     model_sd = load_file(directory / "model.safetensors")
     optim_sd = _unflatten_optimizer(load_file(directory / "optimizer.safetensors"), meta.pop("optimizer_param_groups"))
+    meta["extra"] = {name: (load_file(directory / f"{name}.safetensors"),
+                            _unflatten_optimizer(load_file(directory / f"{name}_optimizer.safetensors"), groups))
+                     for name, groups in meta.pop("extra_param_groups", {}).items()}
     return model_sd, optim_sd, meta

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -119,7 +119,33 @@ def token_advantages(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, 
         if kl is not None:
             tr = tr - kl_coef * kl.float() * m
         return whiten(discounted_returns(tr, m, gamma), m)
+    if estimator == "ppo":
+        raise ValueError("ppo advantages need the critic's values: use ppo_advantages")
     raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+
+
+def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+                   kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: GAE over token rewards (the outcome on the last token, minus ``kl_coef * kl`` per token
+    when the KL is in the reward); advantages whitened over the batch, returns left raw for the critic."""
+    m = mask.float()
+    tr = outcome_token_rewards(rewards, m)
+    if kl is not None:
+        tr = tr - kl_coef * kl.float() * m
+    adv, returns = gae(tr, values, m, gamma, lam)
+    return whiten(adv, m), returns
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               scale: LossScale, clip: float | None = 0.2) -> tuple[torch.Tensor, float]:
+    """``0.5 * max((V - R)^2, (V_clipped - R)^2)`` with ``V_clipped = V_old + clamp(V - V_old, +-clip)``,
+    token-mean over the global batch; returns (this rank's loss share, sum of squared errors)."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    per_token = 0.5 * err
+    return aggregate(per_token, mask, "token-mean", scale), float(((values - returns) ** 2 * mask).sum().detach())
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -18,15 +18,16 @@ import numpy as np
 import torch
 
 from learner.fsdp import full_state_dict, parallelize_llama
-from learner.losses import LossScale, policy_loss, token_entropy, token_logprobs
+from learner.losses import LossScale, policy_loss, token_entropy, token_logprobs, value_loss
 from learner.optim import build_optimizer
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
 
 
 class TrainerEngine:
     def __init__(self, model_cfg, trainer_cfg, vocab_size: int, seed: int, temperature: float = 1.0,
-                 mesh=None, device: str = "cpu"):
+                 mesh=None, device: str = "cpu", critic_cfg=None):
         self.cfg, self.temperature, self.mesh, self.device = trainer_cfg, temperature, mesh, device
+        self.critic_cfg = critic_cfg
         self.world = mesh.size() if mesh is not None else 1
         self.step = 0
         # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
@@ -38,6 +39,17 @@ class TrainerEngine:
             self.ref_model = self._build(model_cfg, vocab_size, state)
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
+        self.critic = None
+        if critic_cfg is not None:  # PPO: the value model lives on the same ranks as the policy
+            from learner.critic import LlamaForValue, critic_state_from_policy
+
+            self.critic = LlamaForValue(model_cfg, vocab_size)
+            init = state if state is not None else full_state_dict(self.model)
+            self.critic.load_state_dict(critic_state_from_policy(init), strict=False)
+            self.critic.to(self.device)
+            if self.mesh is not None:
+                parallelize_llama(self.critic, self.mesh)
+            self.critic_optimizer, self.critic_scheduler = build_optimizer(self.critic, critic_cfg)
 
     def _build(self, model_cfg, vocab_size, state):
         if state is None:
@@ -96,6 +108,29 @@ class TrainerEngine:
         lp = self._policy_logp(model, b)
         return torch.nn.functional.pad(lp, (1, 0)).float().cpu().numpy()
 
+    @torch.no_grad()
+    def values(self, batch: dict) -> np.ndarray:
+        """The critic's values (R, L) aligned with ``batch["tokens"]``: entry t is the value of the
+        state before token t (read where the policy's logits for token t are), 0 at position 0."""
+        b = self._tensors(batch)
+        v = self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]
+        return torch.nn.functional.pad(v, (1, 0)).float().cpu().numpy()
+
+    def _critic_step(self, batch: dict) -> dict:
+        """One clipped value-loss step on the critic (PPO)."""
+        b = self._tensors(batch)
+        mask = b["loss_mask"][:, 1:]
+        scale = LossScale(tokens=float(batch["global_tokens"]), seqs=float(batch["global_seqs"]), world=self.world)
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        v = self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]
+        loss, sq_err = value_loss(v, b["old_values"][:, 1:], b["returns"][:, 1:], mask, scale,
+                                  self.critic_cfg.value_clip)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.critic_cfg.grad_clip)
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        return {"value_sq_err_sum": sq_err, "value_sum": float((v.detach() * mask).sum())}
+
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
         stats = {}
@@ -112,6 +147,8 @@ class TrainerEngine:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
+            if self.critic is not None:
+                stats.update(self._critic_step(batch))
         stats.update(pg_sum=out.pg_sum, kl_sum=out.kl_sum, clipped=out.clipped, tokens=out.tokens,
                      entropy_sum=out.entropy_sum, logp_gap_sum=gap)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -149,20 +186,33 @@ class TrainerEngine:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=self.mesh is not None)
         model_sd = get_model_state_dict(self.model, options=opts)
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        extra = {}
+        if self.critic is not None:
+            extra["critic"] = (get_model_state_dict(self.critic, options=opts),
+                               get_optimizer_state_dict(self.critic, self.critic_optimizer, options=opts))
         if rank0_only and self.mesh is not None and self.mesh.get_local_rank() != 0:
             return None
-        return {"model": model_sd, "optimizer": optim_sd, "step": self.step,
+        return {"model": model_sd, "optimizer": optim_sd, "step": self.step, "extra": extra,
                 "scheduler": self.scheduler.state_dict(),
+                "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
                 "rng": {"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()}}
 
     def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, step: int, scheduler: dict | None = None,
-                              rng: dict | None = None) -> None:
+                              rng: dict | None = None, extra: dict | None = None,
+                              critic_scheduler: dict | None = None) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, model_sd, options=opts)
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+        if self.critic is not None:
+            if not extra or "critic" not in extra:
+                raise ValueError("checkpoint has no critic (critic.safetensors) but trainer.algorithm=ppo needs one")
+            set_model_state_dict(self.critic, extra["critic"][0], options=opts)
+            set_optimizer_state_dict(self.critic, self.critic_optimizer, extra["critic"][1], options=opts)
+            if critic_scheduler:
+                self.critic_scheduler.load_state_dict(critic_scheduler)
         if scheduler:
             self.scheduler.load_state_dict(scheduler)
         if rng and "torch_cpu" in rng:

@@ -292,7 +292,7 @@ class TrainerConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
     scale_rewards: bool = True  # divide advantages by the group std (GRPO); False = Dr.GRPO style
     # the algorithm (learner/losses.py): advantage estimator, loss aggregation, clipping, KL
-    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
     # None: "seq-mean-token-sum-norm" for drgrpo, "token-mean" otherwise
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] | None = None
@@ -316,6 +316,19 @@ class TrainerConfig(_Section):
         if self.loss_agg_mode is not None:
             return self.loss_agg_mode
         return "seq-mean-token-sum-norm" if self.algorithm == "drgrpo" else "token-mean"
+
+
+class CriticConfig(_Section):
+    """PPO's value model: the policy's architecture with a scalar head (``score``), initialised from
+    the policy's starting weights, trained in the trainer group beside the policy."""
+
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    value_clip: float | None = Field(0.2, gt=0)  # clip new values to old +- this (None: off)
+    gae_lambda: float = Field(1.0, ge=0, le=1)
 
 
 class SyncConfig(_Section):
@@ -361,6 +374,7 @@ class RunConfig(_Section):
     task: TaskConfig = TaskConfig()
     sampler: SamplerConfig = SamplerConfig()
     trainer: TrainerConfig = TrainerConfig()
+    critic: CriticConfig | None = None  # PPO's value model; required by trainer.algorithm=ppo
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -369,6 +383,12 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
+        if self.trainer.algorithm == "ppo" and self.critic is None:
+            raise ValueError("trainer.algorithm=ppo needs a value model: add a 'critic:' section "
+                             "(e.g. critic: {lr: 1e-3}) or pick a critic-free algorithm (grpo, rloo, ...)")
+        if self.critic is not None and self.trainer.algorithm != "ppo":
+            raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
+                             f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")
         rows = self.trainer.prompts_per_step * self.sampler.group_size
         n_samplers = self.placement.sampler_chips // self.placement.chips_per_sampler
         n_trainers = self.placement.trainer_chips // self.placement.chips_per_trainer

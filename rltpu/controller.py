@@ -242,8 +242,14 @@ class Controller:
             ref = np.concatenate(ray.get([t.logprobs.remote(b, True) for t, b in zip(self.trainers, parts)]))
             kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
             kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
+        values = None
+        if tc.algorithm == "ppo":  # the critic's values first: GAE needs them
+            layout = train_layout(gen)
+            parts = split_by_rank(layout | {"advantages": np.zeros(len(rewards))}, len(self.trainers))
+            values = np.concatenate(ray.get([t.values.remote(b) for t, b in zip(self.trainers, parts)]))
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
-                                  kl_coef=tc.kl_coef, gamma=tc.gamma)
+                                  kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
+                                  lam=cfg.critic.gae_lambda if cfg.critic else 1.0)
         t1 = time.perf_counter()
         parts = split_by_rank(batch, len(self.trainers))
         refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
@@ -268,6 +274,8 @@ class Controller:
             "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
             "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
+            "value_mse": per_token("value_sq_err_sum") if "value_sq_err_sum" in stats[0] else None,
+            "value_mean": per_token("value_sum") if "value_sum" in stats[0] else None,
             "response_len": float(gen["lengths"].mean()),
             "sample_s": sample_s, "train_s": train_s, "sync_s": sync["seconds"],
             "step_s": time.perf_counter() - t_step,

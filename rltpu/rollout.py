@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from learner.losses import token_advantages
+from learner.losses import ppo_advantages, token_advantages
 
 
 def merge_generations(outs: list[dict], pad_id: int) -> dict:
@@ -58,15 +58,21 @@ def train_layout(gen: dict) -> dict:
 
 def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rewards: bool = True,
                       estimator: str = "grpo", kl: np.ndarray | None = None, kl_coef: float = 0.0,
-                      gamma: float = 1.0) -> dict:
+                      gamma: float = 1.0, values: np.ndarray | None = None, lam: float = 1.0) -> dict:
     """``train_layout`` plus per-token ``advantages`` (R, P+T), zero on prompt and padding.
 
     ``kl`` (R, P+T), aligned like ``old_logprobs``, is a per-token KL estimate to put in the
-    reward (``trainer.kl_in_reward``); see ``learner.losses.token_advantages``.
+    reward (``trainer.kl_in_reward``); see ``learner.losses.token_advantages``. PPO needs the
+    critic's ``values`` (same alignment) and adds ``returns`` and ``old_values`` for its update.
     """
     batch = train_layout(gen)
     m = torch.from_numpy(batch["loss_mask"])
     kl_t = torch.from_numpy(np.asarray(kl, np.float32)) if kl is not None else None
+    if estimator == "ppo":
+        v = torch.from_numpy(np.asarray(values, np.float32))
+        adv, ret = ppo_advantages(torch.from_numpy(np.asarray(rewards, np.float32)), v, m, gamma, lam, kl_t, kl_coef)
+        return batch | {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": (v * m).numpy(),
+                        "max_new_tokens": int(gen["tokens"].shape[1])}
     adv = token_advantages(estimator, torch.from_numpy(np.asarray(rewards, np.float32)), m, group_size,
                            scale=scale_rewards, kl=kl_t, kl_coef=kl_coef, gamma=gamma)
     return batch | {"advantages": adv.numpy().astype(np.float32), "max_new_tokens": int(gen["tokens"].shape[1])}

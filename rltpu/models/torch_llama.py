@@ -176,7 +176,15 @@ class LlamaForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids/position_ids/attention_mask [B, T] (mask: 1 real, 0 pad) -> fp32 logits [B, T, V]."""
-        B, T = input_ids.shape
+        return F.linear(self.hidden_states(input_ids, position_ids, attention_mask), self.output_weight()).float()
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final-norm hidden states [B, T, H] (what the LM head, or a value head, reads)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
@@ -189,8 +197,7 @@ class LlamaForCausalLM(nn.Module):
             if w not in masks:
                 masks[w] = attention_allowed(attention_mask, position_ids, w)
             x = layer(x, cos, sin, masks[w])
-        x = self.model.norm(x)
-        return F.linear(x, self.output_weight()).float()
+        return self.model.norm(x)
 
 
 def init_state_dict(cfg: ModelConfig, vocab_size: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:

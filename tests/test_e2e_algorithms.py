@@ -1,0 +1,76 @@
+"""Every algorithm preset learns the quickstart task through the real CLI (shortened runs).
+
+One Ray head (``ray start --head --block``, emulated TPU resources) is shared by all presets, so
+each run pays for its actors and compilation but not for a cluster start. Full-length figures per
+preset: ``benchmarks/algorithms.py``. GRPO itself is covered by ``test_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rltpu.metrics import read_metrics
+from rltpu.runtime import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from algorithms import PRESETS  # noqa: E402  (the presets the benchmark documents)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+pytestmark = pytest.mark.slow
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    port = free_port()
+    temp = Path("/tmp") / f"rltpu-alg-{os.getpid()}"
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"TPU": 4}',
+         "--labels=ray.io/tpu-worker-id=0,ray.io/tpu-slice-name=rltpu-emu-slice-0",
+         f"--temp-dir={temp}", "--disable-usage-stats", "--include-dashboard=false"],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while True:  # the GCS port accepting connections = the head is up
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.time() < deadline, "ray head did not start"
+            time.sleep(0.5)
+    time.sleep(2)
+    yield f"127.0.0.1:{port}"
+    os.killpg(head.pid, signal.SIGTERM)  # --block: the head takes its raylet and workers down with it
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "grpo"])
+def test_preset_learns(preset, ray_head, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}",
+           "progress=false", f"trainer.steps={STEPS}", *PRESETS[preset], "--address", ray_head]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = read_metrics(run_dir / "metrics.jsonl")
+    assert len(m) == STEPS
+    first5 = sum(r["reward_mean"] for r in m[:5]) / 5
+    last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
+    assert last5 > first5 + 0.1, (preset, first5, last5)
+    if preset == "dapo":  # dynamic sampling ran and reported itself
+        assert all(r["ds_rounds"] >= 1 and r["ds_prompts_sampled"] >= 64 for r in m)
+    if preset == "ppo":  # the critic starts at 0 (zero head) and follows the rising returns
+        assert m[0]["value_mean"] == 0 and m[-1]["value_mean"] > 0.05, (m[0]["value_mean"], m[-1]["value_mean"])
+    if preset == "grpo_kl_in_reward":
+        assert m[0]["kl_in_reward"] == pytest.approx(0, abs=1e-5) and m[-1]["kl_in_reward"] != 0
