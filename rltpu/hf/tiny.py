@@ -72,7 +72,7 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
 
         from rltpu.chat_example import make_tiny_tokenizer
 
-        make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=256)
+        make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512)
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         n_tok = tok.get_vocab_size(with_added_tokens=True)
         special = {"eos_token_id": tok.token_to_id("<|im_end|>"), "pad_token_id": tok.token_to_id("<|endoftext|>"),
