@@ -61,6 +61,10 @@ class Controller:
                   f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}",
                   file=sys.stderr, flush=True)
         self.spec = param_spec(cfg.model, self.vocab)
+        if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
+            from rltpu.hf.weights import CheckpointDir
+
+            CheckpointDir(cfg.model.path).check(cfg.model, self.vocab)
         self.probe = self.probe_batch()
         self.samplers, self.trainers, self.reports = [], [], []
         self.version, self.step_idx = 0, 0

@@ -276,6 +276,25 @@ def test_truncated_and_corrupt_safetensors_are_one_line_errors(ckpts, tmp_path):
     assert str(f) in _one_line(err) and "header" in str(err.value)
 
 
+def test_train_cli_stops_on_a_truncated_checkpoint_before_starting(ckpts, tmp_path):
+    """``rltpu train`` checks every header before Ray starts: exit 2, one line, file and tensor."""
+    import shutil
+
+    from rltpu.chat_example import write_chat_example
+
+    d = tmp_path / "m"
+    shutil.copytree(ckpts["qwen2-tied"], d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-4096])
+    made = write_chat_example(tmp_path / "data", num_rows=20)
+    res = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "hf_chat.yaml"),
+                          f"model.path={d}", f"task.dataset={made['dataset']}", f"run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("rltpu: error:") and str(f) in line and "truncated" in line and "tensor model." in line
+
+
 def test_config_weights_shape_mismatch_names_file_and_tensor(ckpts, tmp_path):
     import shutil
 
