@@ -12,12 +12,14 @@ aggregate over the whole batch, and the ``world`` factor undoes FSDP's gradient 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 import torch
 
-from learner.fsdp import full_state_dict, parallelize_llama
+from learner.fsdp import checkpoint_layers, full_state_dict, parallelize_llama
+from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
 from learner.losses import LossScale, policy_loss, token_entropy, token_logprobs, value_loss
 from learner.optim import build_optimizer
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
@@ -48,21 +50,28 @@ class TrainerEngine:
             self.critic.load_state_dict(critic_state_from_policy(init), strict=False)
             self.critic.to(self.device)
             if self.mesh is not None:
-                parallelize_llama(self.critic, self.mesh)
+                self._parallelize(self.critic)
+            elif self.cfg.activation_checkpointing:
+                checkpoint_layers(self.critic)
             self.critic_optimizer, self.critic_scheduler = build_optimizer(self.critic, critic_cfg)
 
     def _build(self, model_cfg, vocab_size, state):
         if state is None:
             from rltpu.hf.load import build_policy
 
-            shard = (lambda m: parallelize_llama(m, self.mesh)) if self.mesh is not None else None
+            shard = (lambda m: self._parallelize(m)) if self.mesh is not None else None
             return build_policy(model_cfg, vocab_size, shard, self.device)
         model = LlamaForCausalLM(model_cfg, vocab_size)
         model.load_state_dict(state)
         model.to(self.device)
         if self.mesh is not None:
-            parallelize_llama(model, self.mesh)
+            self._parallelize(model)
+        elif self.cfg.activation_checkpointing:
+            checkpoint_layers(model)
         return model
+
+    def _parallelize(self, model):
+        return parallelize_llama(model, self.mesh, self.cfg.mixed_precision, self.cfg.activation_checkpointing)
 
     # -- the update -------------------------------------------------------------------------
     def _tensors(self, batch: dict) -> dict:
@@ -75,14 +84,21 @@ class TrainerEngine:
         logp = token_logprobs(logits, b["tokens"][:, 1:], self.temperature)  # (B, L-1)
         return (logp, token_entropy(logits, self.temperature)) if with_entropy else logp
 
-    def loss(self, batch: dict, old_logp: torch.Tensor | None = None):
-        """This rank's share of the policy loss, and the sampler-vs-trainer logprob gap (a sum)."""
+    def loss(self, batch: dict):
+        """This rank's share of the policy loss, and the sampler-vs-trainer logprob gap (a sum).
+
+        ``batch`` may be one micro-batch (see ``learner.microbatch``): global counts keep the shares
+        additive. ``recomputed_old`` in it (from ``recompute_old_logprobs``) replaces the sampler's
+        logprobs as the ratio's denominator.
+        """
         c = self.cfg
         b = self._tensors(batch)
-        logp, entropy = self._policy_logp(self.model, b, with_entropy=True)
+        old_logp = b["recomputed_old"][:, 1:] if "recomputed_old" in b else None
+        with self._autocast():
+            logp, entropy = self._policy_logp(self.model, b, with_entropy=True)
         ref = None
         if self.ref_model is not None and not c.kl_in_reward:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 ref = self._policy_logp(self.ref_model, b)
         mask = b["loss_mask"][:, 1:]
         sampler_logp = b["old_logprobs"][:, 1:]
@@ -99,68 +115,104 @@ class TrainerEngine:
 
     @torch.no_grad()
     def logprobs(self, batch: dict, reference: bool = False) -> np.ndarray:
-        """Per-token logprobs (R, L) aligned with ``batch["tokens"]`` (0 at position 0), from the
+        """Per-token logprobs (R, L) aligned with ``batch["tokens"]`` (0 where not computed), from the
         policy or the frozen reference; for KL in the reward and old-logprob recomputation."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set trainer.kl_coef > 0")
-        b = self._tensors(batch)
-        lp = self._policy_logp(model, b)
-        return torch.nn.functional.pad(lp, (1, 0)).float().cpu().numpy()
+        return self._per_token(batch, lambda b: self._policy_logp(model, b))
 
     @torch.no_grad()
     def values(self, batch: dict) -> np.ndarray:
         """The critic's values (R, L) aligned with ``batch["tokens"]``: entry t is the value of the
-        state before token t (read where the policy's logits for token t are), 0 at position 0."""
-        b = self._tensors(batch)
-        v = self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]
-        return torch.nn.functional.pad(v, (1, 0)).float().cpu().numpy()
+        state before token t (read where the policy's logits for token t are)."""
+        return self._per_token(batch, lambda b: self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1])
 
-    def _critic_step(self, batch: dict) -> dict:
-        """One clipped value-loss step on the critic (PPO)."""
-        b = self._tensors(batch)
-        mask = b["loss_mask"][:, 1:]
-        scale = LossScale(tokens=float(batch["global_tokens"]), seqs=float(batch["global_seqs"]), world=self.world)
+    def _per_token(self, batch: dict, fn) -> np.ndarray:
+        """Run ``fn`` (tensors -> (r, w-1) per-token values for tokens 1..w-1) over the micro-batches
+        and scatter the results back into the full (R, L) layout."""
+        R, L = batch["tokens"].shape
+        out = np.zeros((R, L), np.float32)
+        for rows, lo, hi in self._plan(batch):
+            with self._autocast():
+                vals = fn(self._tensors(slice_batch(batch, rows, lo, hi)))
+            out[rows, lo + 1:hi] = vals.float().cpu().numpy()
+        return out
+
+    def _plan(self, batch: dict) -> list:
+        """This rank's micro-batches; every rank runs the same number (FSDP's collectives pair up)."""
+        mask = np.asarray(batch["attention_mask"])
+        c = self.cfg
+        plan = plan_microbatches(mask, c.micro_batch_tokens, c.seq_bucket, c.length_grouping)
+        if self.mesh is not None and self.world > 1:
+            n = torch.tensor([len(plan)])
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=self.mesh.get_group())
+            if int(n) != len(plan):
+                plan = plan_microbatches(mask, c.micro_batch_tokens, c.seq_bucket, c.length_grouping, int(n))
+        return plan
+
+    def _autocast(self):
+        """bf16 compute without FSDP (one process); under FSDP2 its MixedPrecisionPolicy casts instead."""
+        if self.cfg.mixed_precision == "bf16" and self.mesh is None:
+            return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _critic_step(self, batch: dict, plan: list) -> dict:
+        """One clipped value-loss step on the critic (PPO), accumulated over the micro-batches."""
         self.critic_optimizer.zero_grad(set_to_none=True)
-        v = self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]
-        loss, sq_err = value_loss(v, b["old_values"][:, 1:], b["returns"][:, 1:], mask, scale,
-                                  self.critic_cfg.value_clip)
-        loss.backward()
+        sq_err = v_sum = 0.0
+        for rows, lo, hi in plan:
+            mb = slice_batch(batch, rows, lo, hi)
+            b = self._tensors(mb)
+            mask = b["loss_mask"][:, 1:]
+            scale = LossScale(tokens=float(mb["global_tokens"]), seqs=float(mb["global_seqs"]), world=self.world)
+            with self._autocast():
+                v = self.critic(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]
+            loss, err = value_loss(v, b["old_values"][:, 1:], b["returns"][:, 1:], mask, scale,
+                                   self.critic_cfg.value_clip)
+            loss.backward()
+            sq_err, v_sum = sq_err + err, v_sum + float((v.detach() * mask).sum())
         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.critic_cfg.grad_clip)
         self.critic_optimizer.step()
         self.critic_scheduler.step()
-        return {"value_sq_err_sum": sq_err, "value_sum": float((v.detach() * mask).sum())}
+        return {"value_sq_err_sum": sq_err, "value_sum": v_sum}
 
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
-        stats = {}
-        gap = 0.0
-        old = None
+        plan = self._plan(batch)
         if self.cfg.recompute_old_logprobs:  # the ratio's denominator from this trainer, not the sampler
-            old = torch.from_numpy(self.logprobs(batch)[:, 1:]).to(self.device)
+            batch = dict(batch, recomputed_old=self.logprobs(batch))
+        stats: dict = {}
         for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            out, gap_now = self.loss(batch, old)
+            sums = dict.fromkeys(("pg_sum", "kl_sum", "clipped", "tokens", "entropy_sum"), 0.0)
+            gap = 0.0
+            for rows, lo, hi in plan:  # gradient accumulation: the shares add up to the global loss
+                out, gap_mb = self.loss(slice_batch(batch, rows, lo, hi))
+                out.loss.backward()
+                gap += gap_mb
+                for k in sums:
+                    sums[k] += getattr(out, k)
             if epoch == 0:
-                gap = gap_now  # sampler-vs-trainer logprob gap, measured before any update
-            out.loss.backward()
+                stats["logp_gap_sum"] = gap  # sampler-vs-trainer logprob gap, before any update
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             if self.critic is not None:
-                stats.update(self._critic_step(batch))
-        stats.update(pg_sum=out.pg_sum, kl_sum=out.kl_sum, clipped=out.clipped, tokens=out.tokens,
-                     entropy_sum=out.entropy_sum, logp_gap_sum=gap)
+                stats.update(self._critic_step(batch, plan))
+        stats.update(sums)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.step += 1
-        stats.update(grad_norm=float(norm), lr=self.scheduler.get_last_lr()[0], seconds=time.perf_counter() - t0)
+        stats.update(grad_norm=float(norm), lr=self.scheduler.get_last_lr()[0], seconds=time.perf_counter() - t0,
+                     micro_batches=len(plan), train_padding_frac=padding_fraction(plan, np.asarray(batch["attention_mask"])))
         return stats
 
     def grads(self, batch: dict) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients of the loss on ``batch``; for FSDP-vs-single-process checks."""
         self.optimizer.zero_grad(set_to_none=True)
-        out, _ = self.loss(batch)
-        out.loss.backward()
+        for rows, lo, hi in self._plan(batch):
+            out, _ = self.loss(slice_batch(batch, rows, lo, hi))
+            out.loss.backward()
         grads = {}
         for name, p in self.model.named_parameters():
             g = p.grad

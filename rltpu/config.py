@@ -304,9 +304,18 @@ class TrainerConfig(_Section):
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, sample more to refill the batch
     max_sample_rounds: int = Field(4, ge=1)  # dynamic sampling: sampler calls per step at most
     recompute_old_logprobs: bool = False  # trust the trainer, not the sampler, for the ratio's old logp
+    # efficiency (learner/microbatch.py, learner/fsdp.py)
+    micro_batch_tokens: int = Field(0, ge=0)  # padded tokens per micro-batch (grad accumulation); 0 = one pass
+    length_grouping: bool = True  # micro-batches of similar lengths, padding columns cut
+    seq_bucket: int = Field(16, ge=1)  # micro-batch widths rounded up to a multiple (few shapes on XLA)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16 compute, fp32 master weights and AdamW states
 
     @model_validator(mode="after")
     def _algorithm(self) -> "TrainerConfig":
+        if self.micro_batch_tokens and self.micro_batch_tokens < self.seq_bucket:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} is below seq_bucket={self.seq_bucket}: "
+                             f"no row fits; raise micro_batch_tokens (0 = one pass)")
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("kl_in_reward=true needs kl_coef > 0 (the penalty's weight); set trainer.kl_coef")
         return self
@@ -399,6 +408,12 @@ class RunConfig(_Section):
             )
         if rows % n_trainers:
             raise ValueError(f"rows per step ({rows}) must be divisible by the {n_trainers} trainer actors")
+        per_trainer_tokens = rows // n_trainers * (max(self.sampler.prompt_buckets) + self.sampler.max_new_tokens)
+        if self.trainer.micro_batch_tokens > per_trainer_tokens:
+            raise ValueError(
+                f"trainer.micro_batch_tokens={self.trainer.micro_batch_tokens} is larger than a trainer rank's whole "
+                f"batch ({rows // n_trainers} rows x {per_trainer_tokens * n_trainers // rows} tokens = "
+                f"{per_trainer_tokens}); lower it, or 0 for one pass")
         per_sampler = rows // n_samplers
         if per_sampler > max(self.sampler.batch_buckets):
             raise ValueError(

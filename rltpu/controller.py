@@ -278,6 +278,8 @@ class Controller:
             "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
             "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
+            "micro_batches": stats[0]["micro_batches"],
+            "train_padding_frac": sum(s["train_padding_frac"] for s in stats) / len(stats),
             "value_mse": per_token("value_sq_err_sum") if "value_sq_err_sum" in stats[0] else None,
             "value_mean": per_token("value_sum") if "value_sum" in stats[0] else None,
             "response_len": float(gen["lengths"].mean()),

@@ -239,3 +239,14 @@ def test_algorithm_config_errors(tmp_path):
         load_config(cfg, ["trainer.algorithm=ppo2"])
     assert load_config(cfg, ["trainer.algorithm=drgrpo"]).trainer.resolved_loss_agg_mode == "seq-mean-token-sum-norm"
     assert load_config(cfg, ["trainer.algorithm=rloo"]).trainer.resolved_loss_agg_mode == "token-mean"
+
+
+def test_microbatch_config_errors(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer: {steps: 1}\n")
+    # default: 16 prompts x 8 = 128 rows over 2 trainers = 64 rows x (16 + 8) tokens = 1536 per rank
+    with pytest.raises(ConfigError, match="larger than a trainer rank's whole batch"):
+        load_config(cfg, ["trainer.micro_batch_tokens=1537"])
+    assert load_config(cfg, ["trainer.micro_batch_tokens=1536"]).trainer.micro_batch_tokens == 1536
+    with pytest.raises(ConfigError, match="below seq_bucket"):
+        load_config(cfg, ["trainer.micro_batch_tokens=8"])

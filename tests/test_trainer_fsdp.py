@@ -67,7 +67,7 @@ def _params(engine: TrainerEngine) -> dict[str, np.ndarray]:
 # FSDP2 over 2 ranks == one process
 
 
-def _fsdp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, batch: dict, tcfg, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -77,7 +77,7 @@ def _fsdp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         mesh = init_device_mesh("cpu", (world,))
-        eng = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE, mesh=mesh)
+        eng = TrainerEngine(MCFG, tcfg, V, SEED, TEMPERATURE, mesh=mesh)
         emb = eng.model.model.embed_tokens.weight
         sharding = (type(emb).__name__, tuple(emb.to_local().shape) if hasattr(emb, "to_local") else None)
         shard = split_by_rank(batch, world)[rank]
@@ -92,8 +92,8 @@ def _fsdp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(world: int, batch: dict) -> dict[int, dict]:
-    out = spawn_ranks(_fsdp_worker, world, (batch,), JOIN_TIMEOUT_S, "fsdp")
+def _spawn(world: int, batch: dict, tcfg=TCFG) -> dict[int, dict]:
+    out = spawn_ranks(_fsdp_worker, world, (batch, tcfg), JOIN_TIMEOUT_S, "fsdp")
     for rank, res in out.items():
         assert "error" not in res, f"rank {rank}: {res['error']}"
     return out
@@ -217,3 +217,17 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="sha256"):
         load_checkpoint(ckpt)
+
+
+def test_fsdp_micro_batches_and_activation_checkpointing_match_one_pass():
+    """Ranks with different lengths plan different micro-batch counts; they agree on the max (else
+    FSDP's collectives would not pair up) and the accumulated gradients equal one pass."""
+    batch = synthetic_batch()
+    tcfg = TCFG.model_copy(update={"micro_batch_tokens": 24, "seq_bucket": 2, "activation_checkpointing": True})
+    want = {k: v.numpy() for k, v in TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE).grads(_global(batch)).items()}
+    res = _spawn(2, batch, tcfg)
+    counts = {res[r]["stats"]["micro_batches"] for r in (0, 1)}
+    assert len(counts) == 1 and counts.pop() > 1
+    for rank in (0, 1):
+        for name, g in want.items():
+            np.testing.assert_allclose(res[rank]["grads"][name], g, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -103,7 +103,7 @@ class LlamaAttention(nn.Module):
         k = k.repeat_interleave(rep, dim=1)  # [B, nh, T, hd]; q head h uses kv head h // rep
         v = v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * hd**-0.5  # [B, nh, T, T]
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # bf16 under autocast
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * hd))
