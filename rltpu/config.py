@@ -66,13 +66,16 @@ class PlacementConfig(_Section):
     trainer_chips: int = Field(2, ge=1)
     chips_per_sampler: Literal[1, 2, 4, 8] = 1
     chips_per_trainer: Literal[1, 2, 4, 8] = 1
+    reward_chips: int = Field(0, ge=0)  # an RLHF reward-model group (needs the reward_model section)
+    chips_per_reward: Literal[1, 2, 4, 8] = 1
     # optional pinning to global chip ids (chip table order); None = first free chips
     sampler_chip_ids: tuple[int, ...] | None = None
     trainer_chip_ids: tuple[int, ...] | None = None
+    reward_chip_ids: tuple[int, ...] | None = None
 
     @model_validator(mode="after")
     def _divisible(self) -> "PlacementConfig":
-        for role in ("sampler", "trainer"):
+        for role in ("sampler", "trainer", "reward"):
             chips, per = getattr(self, f"{role}_chips"), getattr(self, f"chips_per_{role}")
             if chips % per:
                 raise ValueError(f"{role}_chips={chips} is not a multiple of chips_per_{role}={per}")
@@ -82,12 +85,15 @@ class PlacementConfig(_Section):
                     raise ValueError(f"{role}_chip_ids lists {len(ids)} chips but {role}_chips={chips}")
                 if len(set(ids)) != len(ids):
                     raise ValueError(f"{role}_chip_ids {list(ids)} repeats a chip")
-        both = set(self.sampler_chip_ids or ()) & set(self.trainer_chip_ids or ())
-        if both:
-            raise ValueError(
-                f"sampler_chip_ids and trainer_chip_ids both list chip {min(both)}; "
-                f"a chip belongs to exactly one process, give the roles disjoint chips"
-            )
+        roles = ("sampler", "trainer", "reward")
+        for i, a in enumerate(roles):
+            for b in roles[i + 1:]:
+                both = set(getattr(self, f"{a}_chip_ids") or ()) & set(getattr(self, f"{b}_chip_ids") or ())
+                if both:
+                    raise ValueError(
+                        f"{a}_chip_ids and {b}_chip_ids both list chip {min(both)}; "
+                        f"a chip belongs to exactly one process, give the roles disjoint chips"
+                    )
         return self
 
 
@@ -210,6 +216,7 @@ class TaskConfig(_Section):
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
     reward_fn: str = "rltpu.rewards:partial_credit"  # any importable ``module:function``
+    reward_weight: float = Field(1.0, ge=0)  # weight of reward_fn beside a reward model (0: model only)
     reward_kwargs: dict[str, Any] = {}  # keyword arguments bound to reward_fn (e.g. {column: answer})
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
     dataset: str | None = None  # prompt file (.jsonl / .json / .parquet); None = the synthetic task
@@ -327,6 +334,17 @@ class TrainerConfig(_Section):
         return "seq-mean-token-sum-norm" if self.algorithm == "drgrpo" else "token-mean"
 
 
+class RewardModelConfig(_Section):
+    """An RLHF reward model: a local HF ``*ForSequenceClassification`` directory (one label), run on
+    its own chips (``placement.reward_chips``). It scores prompt + completion with the policy's
+    tokenizer; its score is added to ``task.reward_weight * reward_fn``."""
+
+    path: str
+    weight: float = Field(1.0, ge=0)
+    normalize: bool = False  # standardise the model's scores over each step's batch
+    clip: float | None = Field(None, gt=0)  # clip the (normalised) score to +- this
+
+
 class CriticConfig(_Section):
     """PPO's value model: the policy's architecture with a scalar head (``score``), initialised from
     the policy's starting weights, trained in the trainer group beside the policy."""
@@ -384,6 +402,7 @@ class RunConfig(_Section):
     sampler: SamplerConfig = SamplerConfig()
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig | None = None  # PPO's value model; required by trainer.algorithm=ppo
+    reward_model: RewardModelConfig | None = None  # RLHF: a reward-model group on placement.reward_chips
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -395,6 +414,11 @@ class RunConfig(_Section):
         if self.trainer.algorithm == "ppo" and self.critic is None:
             raise ValueError("trainer.algorithm=ppo needs a value model: add a 'critic:' section "
                              "(e.g. critic: {lr: 1e-3}) or pick a critic-free algorithm (grpo, rloo, ...)")
+        if self.reward_model is not None and self.placement.reward_chips == 0:
+            raise ValueError("reward_model needs chips of its own: set placement.reward_chips >= 1")
+        if self.reward_model is None and self.placement.reward_chips:
+            raise ValueError(f"placement.reward_chips={self.placement.reward_chips} but there is no reward_model "
+                             f"section; add reward_model.path or set placement.reward_chips=0")
         if self.critic is not None and self.trainer.algorithm != "ppo":
             raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
                              f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")

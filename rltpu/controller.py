@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from learner.losses import kl_estimate
+from learner.reward_model import combine_rewards
 from rltpu.cluster import PlacementError, start_or_join
-from rltpu.config import RunConfig, save_config
+from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.metrics import MetricsWriter
 from rltpu.rewards import load_reward_fn
@@ -66,7 +67,7 @@ class Controller:
 
             CheckpointDir(cfg.model.path).check(cfg.model, self.vocab)
         self.probe = self.probe_batch()
-        self.samplers, self.trainers, self.reports = [], [], []
+        self.samplers, self.trainers, self.rewarders, self.reports = [], [], [], []
         self.version, self.step_idx = 0, 0
         self.cluster_info: dict = {}
         self._ray = None
@@ -92,6 +93,10 @@ class Controller:
         args = lambda r: (master, port, n_t + n_s, r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
         ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(self.trainers + self.samplers)])
         builds = [t.build.remote(self.vocab) for t in self.trainers]
+        rm_vocab = ray.get([r.build.remote() for r in self.rewarders])
+        if rm_vocab and min(rm_vocab) < self.vocab:
+            raise ConfigError(f"reward_model {self.cfg.reward_model.path} has vocab_size {min(rm_vocab)} < the "
+                              f"policy's {self.vocab}; the reward model must share the policy's tokenizer")
         cache_dir = str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
         t_compile = time.perf_counter()
         compiles = [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec, cache_dir)
@@ -134,12 +139,13 @@ class Controller:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from actors.reward_actor import RewardActor
         from actors.sampler_actor import SamplerActor
         from actors.trainer_actor import TrainerActor
 
-        classes = {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor}
-        planned = sorted(((chips[0].global_id, role, rank, chips) for role in (Role.TRAINER, Role.SAMPLER)
-                          for rank, chips in enumerate(self.roles[role])), key=lambda x: x[0])
+        classes = {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+        planned = sorted(((chips[0].global_id, role, rank, chips) for role in classes
+                          for rank, chips in enumerate(self.roles.get(role, []))), key=lambda x: x[0])
         bundles, selectors, slots, expected = [], [], [], {}
         for host in self.table.hosts():
             used = [p for p in planned if (p[3][0].slice, p[3][0].host) == host]
@@ -168,7 +174,7 @@ class Controller:
                 f"Ray could not reserve {sum(b['TPU'] for b in bundles)} TPU chips in 120 s "
                 f"(cluster has {self.cluster_info.get('tpu_chips')}); are other jobs holding chips?"
             ) from None
-        actors = {Role.TRAINER: {}, Role.SAMPLER: {}}
+        actors = {Role.TRAINER: {}, Role.SAMPLER: {}, Role.REWARD: {}}
         for bundle, role, rank, chips in slots:
             actors[role][rank] = self._ray.remote(classes[role]).options(
                 name=f"rltpu-{role.value}-{rank}-{os.getpid()}", num_cpus=0, resources={"TPU": len(chips)},
@@ -178,8 +184,10 @@ class Controller:
             expected[(role, rank)] = chips
         self.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
         self.samplers = [actors[Role.SAMPLER][r] for r in range(len(actors[Role.SAMPLER]))]
+        self.rewarders = [actors[Role.REWARD][r] for r in range(len(actors[Role.REWARD]))]
         self.planned_chips = [expected[(Role.TRAINER, r)] for r in range(len(self.trainers))] + \
-                             [expected[(Role.SAMPLER, r)] for r in range(len(self.samplers))]
+                             [expected[(Role.SAMPLER, r)] for r in range(len(self.samplers))] + \
+                             [expected[(Role.REWARD, r)] for r in range(len(self.rewarders))]
         self.pg = pg
 
     def _chips_for(self, ident: dict) -> list:
@@ -196,7 +204,7 @@ class Controller:
 
     def _claim_chips(self) -> None:
         ray = self._ray
-        actors = self.trainers + self.samplers
+        actors = self.trainers + self.samplers + self.rewarders
         idents = ray.get([a.identity.remote() for a in actors])
         if self.cfg.cluster.emulated is None:
             self.emulated = not all(i["tpu_present"] for i in idents)
@@ -274,7 +282,7 @@ class Controller:
             "step": self.step_idx, "weight_version": self.version, "emulated": self.emulated,
             "reward_mean": ds.get("reward_mean_sampled", float(rewards.mean())), "reward_std": float(rewards.std()),
             "kl_in_reward": float(kl.sum() / max(batch["loss_mask"].sum(), 1)) if kl is not None else None,
-            **ds,
+            **ds, **self._reward_parts,
             "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
             "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
@@ -314,7 +322,7 @@ class Controller:
             outs = self._ray.get([s.generate.remote(sh, G, seed + r)
                                   for r, (s, sh) in enumerate(zip(self.samplers, shards))])
             gen = merge_generations(outs, self.tokenizer.pad_id)
-            rewards, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
+            rewards = self._rewards(gen, examples, G)
             outs_all.append(outs)
             sampled.append(rewards)
             rounds, seen = rounds + 1, seen + n
@@ -339,6 +347,21 @@ class Controller:
             "ds_rounds": rounds, "ds_prompts_sampled": seen, "ds_informative_groups": min(have, n),
             "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
             "reward_mean_sampled": float(np.concatenate(sampled).mean())}
+
+    def _rewards(self, gen: dict, examples: list[dict], G: int) -> np.ndarray:
+        """``task.reward_weight x reward_fn`` plus, with a reward-model group, its scores (rows split
+        over the reward actors). Component means go to this step's metrics."""
+        rule, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
+        rm = None
+        if self.rewarders:
+            layout = train_layout(gen)
+            keys = ("tokens", "position_ids", "attention_mask")
+            parts = np.array_split(np.arange(len(rule)), len(self.rewarders))
+            rm = np.concatenate(self._ray.get([r.score.remote(*(layout[k][idx] for k in keys))
+                                               for r, idx in zip(self.rewarders, parts)]))
+        self._reward_parts = {"reward_rule_mean": float(rule.mean()),
+                              "reward_model_mean": float(rm.mean()) if rm is not None else None}
+        return combine_rewards(rule, rm, self.cfg.task.reward_weight, self.cfg.reward_model)
 
     def _sync(self, version: int) -> dict:
         t0 = time.perf_counter()
@@ -416,7 +439,7 @@ class Controller:
     def shutdown(self) -> None:
         if self._ray is None or not self._ray.is_initialized():
             return
-        for a in self.trainers + self.samplers:
+        for a in self.trainers + self.samplers + self.rewarders:
             try:
                 self._ray.get(a.shutdown.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - best effort; the actor is killed next

@@ -31,6 +31,7 @@ from rltpu.config import ClusterConfig, ConfigError, PlacementConfig
 class Role(str, Enum):
     SAMPLER = "sampler"
     TRAINER = "trainer"
+    REWARD = "reward"  # an RLHF reward model's scoring group (optional)
 
 
 class ChipConflictError(RuntimeError):
@@ -237,17 +238,20 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
     aligned block (start index a multiple of its size), so pairs and quads are ICI neighbours.
     With power-of-two actor sizes this never fails when the total fits. Raises ConfigError.
     """
-    want = placement.sampler_chips + placement.trainer_chips
+    reward = placement.reward_chips
+    want = placement.sampler_chips + placement.trainer_chips + reward
     if want > table.num_chips:
         raise ConfigError(
             f"placement asks for {want} chips (sampler_chips={placement.sampler_chips} + "
-            f"trainer_chips={placement.trainer_chips}) but cluster {table.describe()} has "
-            f"{table.num_chips} chips; lower placement.* or enlarge cluster.topology/slices"
+            f"trainer_chips={placement.trainer_chips}{f' + reward_chips={reward}' if reward else ''}) but cluster "
+            f"{table.describe()} has {table.num_chips} chips; lower placement.* or enlarge cluster.topology/slices"
         )
     plan = [
         (Role.SAMPLER, placement.sampler_chips, placement.chips_per_sampler),
         (Role.TRAINER, placement.trainer_chips, placement.chips_per_trainer),
     ]
+    if reward:
+        plan.append((Role.REWARD, reward, placement.chips_per_reward))
     for role, _, per in plan:
         if per > table.chips_per_host:
             raise ConfigError(
@@ -256,8 +260,9 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
                 f"placement.chips_per_{role.value} to <= {table.chips_per_host}"
             )
     free = {h: [True] * len(table.chips_on(*h)) for h in table.hosts()}
-    out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: []}
-    pinned = {Role.SAMPLER: placement.sampler_chip_ids, Role.TRAINER: placement.trainer_chip_ids}
+    out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: [], Role.REWARD: []}
+    pinned = {Role.SAMPLER: placement.sampler_chip_ids, Role.TRAINER: placement.trainer_chip_ids,
+              Role.REWARD: placement.reward_chip_ids}
     for role, total, per in plan:  # pinned chips first, so automatic placement avoids them
         ids = pinned[role]
         if ids is None:

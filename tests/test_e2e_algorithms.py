@@ -74,3 +74,27 @@ def test_preset_learns(preset, ray_head, tmp_path):
         assert m[0]["value_mean"] == 0 and m[-1]["value_mean"] > 0.05, (m[0]["value_mean"], m[-1]["value_mean"])
     if preset == "grpo_kl_in_reward":
         assert m[0]["kl_in_reward"] == pytest.approx(0, abs=1e-5) and m[-1]["kl_in_reward"] != 0
+
+
+def test_rlhf_with_reward_model_group(ray_head, tmp_path):
+    """A reward-model group on its own chip: 2 samplers + 1 trainer + 1 reward actor on 4 chips."""
+    import json
+
+    from test_reward_model import write_reward_model
+
+    write_reward_model(tmp_path / "rm")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}",
+           "progress=false", "trainer.steps=3", "placement.trainer_chips=1", "placement.reward_chips=1",
+           f"reward_model.path={tmp_path / 'rm'}", "reward_model.weight=0.5", "--address", ray_head]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    assert sorted(a["group"] for a in actors) == ["reward", "sampler", "sampler", "trainer"]
+    chips = [c for a in actors for c in a["chip_ids"]]
+    assert sorted(chips) == [0, 1, 2, 3]  # every role on its own chip, none shared
+    m = read_metrics(run_dir / "metrics.jsonl")
+    assert len(m) == 3
+    for r in m:  # the step's reward is rule + 0.5 x model score, per row, so also in the mean
+        assert r["reward_model_mean"] is not None
+        assert r["reward_mean"] == pytest.approx(r["reward_rule_mean"] + 0.5 * r["reward_model_mean"], abs=1e-4)

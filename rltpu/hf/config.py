@@ -21,6 +21,8 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
 }
 CLASS_OF = {v: k for k, v in SUPPORTED.items()}
+# sequence-classification heads of the same families (reward models: ``score.weight``, one label)
+CLASSIFIERS = {k.replace("ForCausalLM", "ForSequenceClassification"): v for k, v in SUPPORTED.items()}
 # defaults of each family's HF config class, for keys a config.json may omit
 _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 2048},
@@ -66,8 +68,11 @@ def _rope(hf: dict, where: Path) -> tuple[float | None, dict | None]:
     return theta, out
 
 
-def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
-    """config.json of a local HF directory -> ``ModelConfig`` field values (``ARCH_FIELDS`` + dtype)."""
+def read_checkpoint_config(directory: str | Path, classifier: bool = False) -> dict[str, Any]:
+    """config.json of a local HF directory -> ``ModelConfig`` field values (``ARCH_FIELDS`` + dtype).
+
+    ``classifier``: the directory holds a one-label ``*ForSequenceClassification`` (a reward model).
+    """
     d = Path(directory)
     if not d.is_dir():
         raise ValueError(f"model.path '{d}' is not a directory (give a local Hugging Face model directory; "
@@ -75,9 +80,13 @@ def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
     where = d / "config.json"
     hf = _load_json(where)
     archs = hf.get("architectures") or []
-    arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+    table = CLASSIFIERS if classifier else SUPPORTED
+    arch = next((table[a] for a in archs if a in table), None)
     if arch is None:
-        raise ValueError(f"{where}: architectures {archs} is not supported (supported: {', '.join(SUPPORTED)})")
+        raise ValueError(f"{where}: architectures {archs} is not supported (supported: {', '.join(table)})")
+    if classifier and len(hf.get("id2label") or {0: 0}) != 1:
+        raise ValueError(f"{where}: a reward model has one label, this one has {len(hf['id2label'])} "
+                         f"(id2label); export it with num_labels=1")
     missing = [k for k in _REQUIRED if k not in hf]
     if missing:
         raise ValueError(f"{where}: lacks {missing[0]!r}")
