@@ -8,7 +8,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test bench-sampler clean
+.PHONY: setup demo test browser bench-sampler clean
 
 setup: $(VENV)/.installed
 
@@ -23,8 +23,18 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/rltpu train configs/quickstart.yaml
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
+
+# tests/test_plan.py opens the plan's HTML report in headless Chromium. CI is a fresh machine
+# running as root: install the Debian package there; elsewhere (or offline) the test skips.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ]; then exit 0; fi; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
+	  echo "make: could not install chromium; the HTML report test will be skipped"; \
+	else echo "make: no chromium and no apt-get as root; the HTML report test will be skipped"; fi
 
 # rltpu's sampler vs Hugging Face generate on the same weights (one JSON document on stdout)
 bench-sampler: setup

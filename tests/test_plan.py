@@ -169,6 +169,30 @@ def test_two_slice_v5p_sends_weights_over_dcn_once_per_slice(tmp_path):
     assert any(h.link == "DCN" and "FSDP" in h.what for h in bad.route)
 
 
+def test_bf16_mixed_precision_keeps_fp32_master_weights_and_adam(tmp_path):
+    """trainer.mixed_precision=bf16: weights, grads and AdamW states stay fp32 (4+4+8 B/param,
+    FSDP-sharded), the per-layer gather is bf16; the sampler holds bf16 weights (model.dtype)."""
+    cfg = load_config(write_cfg(
+        tmp_path, "mp", cluster={"generation": "v6e", "topology": "2x4"}, model={**LLAMA_1B, "dtype": "bfloat16"},
+        placement={"sampler_chips": 4, "trainer_chips": 4},
+        sampler={"group_size": 4, "max_new_tokens": 64, "batch_buckets": [16], "prompt_buckets": [64]},
+        trainer={"prompts_per_step": 4, "mixed_precision": "bf16"}))
+    plan = make_plan(cfg)
+    P, f = 1_235_814_400, 4
+    t = plan.as_configured.memory["trainer"]
+    assert (t["weights"], t["grads"], t["adam_states"]) == pytest.approx((4 * P / f, 4 * P / f, 8 * P / f))
+    layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
+    assert t["fsdp_gather"] == pytest.approx(2 * layer * 2)
+    assert plan.as_configured.memory["sampler"]["weights"] == pytest.approx(2 * P)
+
+
+def test_ppo_critic_is_planned_on_the_trainer_chips():
+    cfg = load_config(QUICKSTART, ["trainer.algorithm=ppo", "critic.lr=1e-3"])
+    plan = make_plan(cfg, "v5e")
+    P = plan.model.params
+    assert plan.as_configured.memory["trainer"]["critic"] == pytest.approx(4 * P * 4 / 2)  # fp32, FSDP over 2
+
+
 def test_rank_to_chip_table_follows_assign_roles(tmp_path):
     cfg = load_config(QUICKSTART)
     plan = make_plan(cfg, "v5e")

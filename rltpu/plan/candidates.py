@@ -60,8 +60,8 @@ class Candidate:
 
     @property
     def runnable(self) -> bool:
-        """What `rltpu train` runs today: on-policy, disjoint chips, one forward per trainer shard."""
-        return self.mode in RUNNABLE_MODES and not any("micro-batches" in x for x in self.warnings)
+        """What `rltpu train` runs today: on-policy, disjoint chips."""
+        return self.mode in RUNNABLE_MODES
 
     def peak_bytes(self) -> dict[str, float]:
         return {role: sum(items.values()) for role, items in self.memory.items()}
@@ -84,16 +84,19 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         n_s = n_t = len(samplers)
         fsdp_chips = c.sampler_chips
     else:
+        keep = {k: getattr(cfg.placement, k) for k in ("reward_chips", "chips_per_reward", "reward_chip_ids")
+                if hasattr(cfg.placement, k)}  # a reward-model group keeps its chips
         placement = PlacementConfig(
             sampler_chips=c.sampler_chips, trainer_chips=c.trainer_chips, chips_per_sampler=c.chips_per_sampler,
             chips_per_trainer=c.chips_per_trainer,
             sampler_chip_ids=cfg.placement.sampler_chip_ids if c.as_configured else None,
-            trainer_chip_ids=cfg.placement.trainer_chip_ids if c.as_configured else None)
+            trainer_chip_ids=cfg.placement.trainer_chip_ids if c.as_configured else None, **keep)
         roles = assign_roles(table, placement)
         samplers, trainers = roles[Role.SAMPLER], roles[Role.TRAINER]
         n_s, n_t = len(samplers), len(trainers)
         fsdp_chips = c.trainer_chips
-    c.sampler_tp, c.trainer_fsdp, c.trainer_tp = c.chips_per_sampler, n_t, c.chips_per_trainer if not colocated else c.chips_per_sampler
+    c.sampler_tp, c.trainer_fsdp = c.chips_per_sampler, n_t
+    c.trainer_tp = c.chips_per_sampler if colocated else c.chips_per_trainer
 
     # -- rank -> chip table
     for role, actors in ((Role.SAMPLER, samplers), (Role.TRAINER, [] if colocated else trainers)):
@@ -101,9 +104,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
             c.ranks.append({"role": "sampler+trainer" if colocated else role.value, "rank": rank,
                             "slice": chips[0].slice, "host": chips[0].host,
                             "chips": [ch.global_id for ch in chips], "coords": [list(ch.coords) for ch in chips]})
-    used_hosts = Counter((ch.slice, ch.host) for actors in (samplers, trainers) for chs in actors for ch in chs)
-    if colocated:
-        used_hosts = Counter((ch.slice, ch.host) for chs in samplers for ch in chs)
+    used_hosts = Counter((ch.slice, ch.host) for chs in (samplers if colocated else samplers + trainers) for ch in chs)
 
     # -- memory per chip
     rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
@@ -127,6 +128,11 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     # the cheapest way to fit: whole shard, then checkpointing, then halving the micro-batch
     micro = rows_t
     choice = None
+    if c.as_configured:  # the trainer settings the config asks for, not a search
+        ckpt = bool(getattr(cfg.trainer, "activation_checkpointing", False))
+        mbt = getattr(cfg.trainer, "micro_batch_tokens", 0)
+        micro = min(rows_t, max(1.0, mbt // w.seq)) if mbt else rows_t
+        choice = (ckpt, micro, tmem(ckpt, micro))
     while choice is None:
         for ckpt in (False, True):
             t = tmem(ckpt, micro)
@@ -140,8 +146,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
                 micro = max(1.0, math.ceil(micro / 2))
     c.checkpointing, c.micro_rows, trainer_mem = choice
     if c.micro_rows < rows_t:
-        c.warnings.append(f"trainer needs micro-batches of {c.micro_rows:g} rows (gradient accumulation over "
-                          f"{math.ceil(rows_t / c.micro_rows)}), which rltpu train does not do yet")
+        c.warnings.append(f"trainer micro-batches of {c.micro_rows:g} rows (gradient accumulation over "
+                          f"{math.ceil(rows_t / c.micro_rows)}: trainer.micro_batch_tokens={int(c.micro_rows * w.seq)})")
     if colocated:
         c.memory = {"sampler+trainer": {**{f"sampler {k}": v for k, v in smem.items()},
                                         **{f"trainer {k}": v for k, v in trainer_mem.items()}, **reserve}}
@@ -188,6 +194,9 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     train_s = sum(train.values()) * oversub_t
     sync_s = sum(h.seconds for h in c.route)
     host_s = w.rows * cm.HOST_S_PER_ROW
+    if c.reward_on == "own chips" and w.reward_params:  # the reward group scores every completion
+        rate = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu
+        host_s += 2 * w.reward_params * w.rows * w.seq / (rate * max(1, w.reward_chips))
     n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
     c.phases = cm.Phases(
         sample=sample_s, host=host_s, train=train_s, sync=sync_s,
@@ -201,10 +210,13 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
 
 
 def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
-    n, cph = table.num_chips, table.chips_per_host
+    n, cph = table.num_chips - getattr(cfg.placement, "reward_chips", 0), table.chips_per_host
     sizes = [s for s in (1, 2, 4, 8) if s <= cph]
     w_rows = cfg.trainer.prompts_per_step * cfg.sampler.group_size
-    rm_places = ["sampler", "trainer"] if cfg.planner.reward_model_params else [None]
+    if getattr(cfg.placement, "reward_chips", 0):
+        rm_places = ["own chips"]  # the reward-model group of placement.reward_chips
+    else:
+        rm_places = ["sampler", "trainer"] if cfg.planner.reward_model_params else [None]
     out: list[Candidate] = []
 
     def ok_split(n_s: int, n_t: int) -> bool:
@@ -222,7 +234,8 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
                 for rm in rm_places:
                     for mode in ("disaggregated", "async"):
                         out.append(Candidate(mode, k, tch, cps, cpt, reward_on=rm))
-    for cpp in sizes:
+    reward_group = getattr(cfg.placement, "reward_chips", 0)
+    for cpp in sizes if not reward_group else ():  # colocation would overlap the reward group's chips
         if n % cpp == 0 and ok_split(n // cpp, n // cpp):
             for rm in rm_places:
                 out.append(Candidate("colocated", n, n, cpp, cpp, reward_on=rm))

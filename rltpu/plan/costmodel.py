@@ -96,6 +96,8 @@ class Workload:
     reward_params: float = 0.0  # a separate reward model, forward only (0: rule-based reward)
     precision: str = "highest"
     bucket_mb: float = 16.0
+    mixed_precision: str = "fp32"  # trainer.mixed_precision: "bf16" = bf16 compute, fp32 master + AdamW
+    reward_chips: int = 0  # placement.reward_chips: a reward-model group on chips of its own
 
     @property
     def rows(self) -> int:
@@ -112,9 +114,18 @@ class Workload:
             prompts=cfg.trainer.prompts_per_step, group=cfg.sampler.group_size,
             prompt_len=pl.prompt_len or max(cfg.sampler.prompt_buckets),
             new_tokens=pl.response_len or cfg.sampler.max_new_tokens, ppo_epochs=cfg.trainer.ppo_epochs,
-            reference=cfg.trainer.kl_coef > 0, critic=pl.critic, reward_params=pl.reward_model_params,
-            precision=cfg.backend.matmul_precision, bucket_mb=cfg.sync.bucket_mb,
+            reference=cfg.trainer.kl_coef > 0, critic=pl.critic or getattr(cfg, "critic", None) is not None,
+            reward_params=pl.reward_model_params, precision=cfg.backend.matmul_precision,
+            bucket_mb=cfg.sync.bucket_mb, mixed_precision=getattr(cfg.trainer, "mixed_precision", "fp32"),
+            reward_chips=getattr(cfg.placement, "reward_chips", 0),
         )
+
+    def state_bytes(self, m: "ModelShape") -> int:
+        """Bytes per value of trainer weights, grads and AdamW states (fp32 master under bf16 mixed)."""
+        return 4 if self.mixed_precision == "bf16" else m.bytes
+
+    def compute_bytes(self, m: "ModelShape") -> int:
+        return 2 if self.mixed_precision == "bf16" else m.bytes
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
@@ -147,7 +158,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
 # Memory
 
 
-def _act_bytes_per_token(m: ModelShape, seq: int, checkpointing: bool) -> float:
+def _act_bytes_per_token(m: ModelShape, seq: int, checkpointing: bool, b: int | None = None) -> float:
     """Activations a training forward keeps for backward, per token (all layers + logits).
 
     Without checkpointing each layer keeps ~ (8*H + 4*I) values in the compute dtype plus fp32
@@ -155,24 +166,25 @@ def _act_bytes_per_token(m: ModelShape, seq: int, checkpointing: bool) -> float:
     layer's input (H values) is kept, and one layer's full set is rebuilt at a time. Logits and
     their log-softmax are fp32 (2 * V * 4 bytes).
     """
-    per_layer = (8 * m.hidden + 4 * m.inter) * m.bytes + 2 * m.heads * seq * 4
+    b = b or m.bytes
+    per_layer = (8 * m.hidden + 4 * m.inter) * b + 2 * m.heads * seq * 4
     logits = 2 * m.vocab * 4
     if checkpointing:
-        return m.layers * m.hidden * m.bytes + per_layer + logits
+        return m.layers * m.hidden * b + per_layer + logits
     return m.layers * per_layer + logits
 
 
 def trainer_memory(m: ModelShape, w: Workload, fsdp_chips: int, tokens_per_chip: float,
                    checkpointing: bool) -> dict[str, float]:
-    P, b, f = m.params, m.bytes, fsdp_chips
+    P, b, f, cb = m.params, w.state_bytes(m), fsdp_chips, w.compute_bytes(m)
     mem = {"weights": P * b / f, "grads": P * b / f, "adam_states": 2 * P * b / f}
     if w.reference:
-        mem["reference"] = P * b / f
+        mem["reference"] = P * m.bytes / f
     if w.critic:
         mem["critic"] = 4 * P * b / f
-    # FSDP all-gathers one decoder layer at a time (plus the next one, prefetched)
-    mem["fsdp_gather"] = 2 * m.layer_params * b if f > 1 else 0.0
-    mem["activations"] = tokens_per_chip * _act_bytes_per_token(m, w.seq, checkpointing)
+    # FSDP all-gathers one decoder layer at a time (plus the next one, prefetched), in compute dtype
+    mem["fsdp_gather"] = 2 * m.layer_params * cb if f > 1 else 0.0
+    mem["activations"] = tokens_per_chip * _act_bytes_per_token(m, w.seq, checkpointing, cb)
     return mem
 
 
@@ -193,9 +205,10 @@ def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, 
 # Time
 
 
-def matmul_passes(hw: Hardware, m: ModelShape, w: Workload) -> int:
-    """fp32 inputs on TPU cost 1/3/6 MXU passes (medium/high/highest); bf16 and the CPU cost 1."""
-    if hw.emulated or m.dtype != "float32":
+def matmul_passes(hw: Hardware, m: ModelShape, w: Workload, training: bool = False) -> int:
+    """fp32 inputs on TPU cost 1/3/6 MXU passes (medium/high/highest); bf16 (incl. the trainer's
+    bf16 mixed precision) and the CPU cost 1."""
+    if hw.emulated or m.dtype != "float32" or (training and w.mixed_precision == "bf16"):
         return 1
     return PRECISION_PASSES[w.precision]
 
@@ -244,8 +257,9 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     H, L = m.hidden, m.layers
     mult = 6 + (2 if checkpointing else 0) + (2 if w.reference else 0) + (6 if w.critic else 0)
     flops = w.ppo_epochs * (mult * m.matmul_params * tokens + 12 * tokens * w.seq * H * L)
-    fsdp_bytes = n_micro * w.ppo_epochs * 3 * m.params * m.bytes * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
-    opt_bytes = w.ppo_epochs * 7 * m.params * m.bytes / (fsdp * tp)  # read p, g, m, v; write p, m, v
+    cb, sb = w.compute_bytes(m), w.state_bytes(m)  # gathers in compute dtype, grads reduced in state dtype
+    fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb + sb) * m.params * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
+    opt_bytes = w.ppo_epochs * 7 * m.params * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
     if hw.emulated:
         cpu = hw.cpu
@@ -259,7 +273,7 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
             n_coll = w.ppo_epochs * (n_micro * 3 * (L + 1) + 2)
             out["fsdp_comm"] = n_coll * cpu["gloo"]["allgather_latency_s"] + fsdp_bytes / cpu["gloo"]["bcast_bw"]
         return out
-    passes = matmul_passes(hw, m, w)
+    passes = matmul_passes(hw, m, w, training=True)
     compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)
     bw = (hw.ici_bw if fsdp_link == "ICI" else hw.dcn_bw) * hw.link_eff
     lat = hw.collective_latency_s if fsdp_link == "ICI" else hw.dcn_latency_s

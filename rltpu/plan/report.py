@@ -17,7 +17,8 @@ from rltpu.plan.costmodel import fmt_bytes
 
 ROLE_COLOURS = {"sampler": "#3b7dd8", "trainer": "#e8832a", "sampler+trainer": "#8e5bc6", "idle": "#c9c9c9"}
 PHASE_COLOURS = {"sample": "#3b7dd8", "host": "#9a9a9a", "train": "#e8832a", "sync": "#2ba36b"}
-MEM_COLOURS = ["#3b7dd8", "#e8832a", "#2ba36b", "#c94f4f", "#8e5bc6", "#b8a12a", "#4fb8c9", "#777777", "#d17fb0"]
+MEM_COLOURS = ["#3b7dd8", "#e8832a", "#2ba36b", "#c94f4f", "#8e5bc6", "#b8a12a", "#4fb8c9", "#777777", "#d17fb0",
+               "#1f4e8c", "#8c5a1f", "#5fd18f", "#a0a0e0", "#602060"]
 
 
 def _fmt_s(x: float) -> str:
@@ -53,9 +54,7 @@ def markdown(plan: Plan, top: int = 12) -> str:
         peak = max(c.peak_bytes().values()) if c.memory else 0
         cells = ([_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync), _fmt_s(p.host)]
                  if p else ["-"] * 5)
-        note = c.reason or "; ".join(c.warnings) or ("as configured" if c.as_configured else "")
-        if c.as_configured and c.reason:
-            note = "as configured; " + note
+        note = "; ".join(x for x in ["as configured" if c.as_configured else "", c.reason, *c.warnings] if x)
         out.append(f"| {i} | {c.name} | {'yes' if c.runnable else 'no'} | {'yes' if c.feasible else '**no**'} | "
                    + " | ".join(cells) + f" | {fmt_bytes(peak)} / {fmt_bytes(c.capacity)} | {note} |")
     if win:
@@ -205,7 +204,7 @@ def html_page(plan: Plan, top: int = 12) -> str:
         ranked.append([i, c.name, "yes" if c.runnable else "no", "yes" if c.feasible else "NO",
                        *( [_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync)] if p else ["-"] * 4),
                        f"{fmt_bytes(peak)} / {fmt_bytes(c.capacity)}",
-                       ("as configured; " if c.as_configured else "") + (c.reason or "; ".join(c.warnings))])
+                       "; ".join(x for x in ["as configured" if c.as_configured else "", c.reason, *c.warnings] if x)])
     ranks = [[r["role"], r["rank"], r["slice"], r["host"], r["chips"]] for r in win.ranks]
     route = [[h.what, h.link, h.src, h.dst, fmt_bytes(h.bytes), _fmt_s(h.seconds)] for h in win.route]
     w, m = plan.workload, plan.model

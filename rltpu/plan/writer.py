@@ -1,7 +1,8 @@
 """``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts.
 
-Only ``placement`` changes (plus a sampler batch bucket when a sampler now gets more rows than
-the largest one holds). The result is validated with the same schema and ``assign_roles`` that
+Only ``placement`` changes, plus the trainer's activation checkpointing and micro-batch size the
+plan chose (unless the placement is the config's own), and a sampler batch bucket when a sampler
+now gets more rows than the largest one holds. The result is validated with the same schema and ``assign_roles`` that
 ``rltpu train`` runs before starting anything, so a written file cannot fail on placement.
 """
 
@@ -24,6 +25,13 @@ def placed_config(plan: Plan) -> dict:
     data = plan.cfg.to_dict()
     data["placement"] = {"sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
                          "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer}
+    for k in ("reward_chips", "chips_per_reward", "reward_chip_ids"):  # the reward group stays as configured
+        if k in plan.cfg.to_dict()["placement"]:
+            data["placement"][k] = plan.cfg.to_dict()["placement"][k]
+    if not c.as_configured and "activation_checkpointing" in data["trainer"]:
+        data["trainer"]["activation_checkpointing"] = c.checkpointing
+        rows_t = plan.workload.rows / c.trainer_fsdp
+        data["trainer"]["micro_batch_tokens"] = int(c.micro_rows * plan.workload.seq) if c.micro_rows < rows_t else 0
     rows = plan.workload.rows // (c.sampler_chips // c.chips_per_sampler)
     buckets = list(data["sampler"]["batch_buckets"])
     if rows > max(buckets):
