@@ -79,6 +79,12 @@ class ModelShape:
         """Weights each token multiplies by (2 FLOPs each): every linear layer and the head."""
         return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
 
+    def tensor_numels(self) -> list[int]:
+        """Element counts of every tensor, in ``rltpu.models.param_shapes`` order."""
+        H, q = self.hidden, self.heads * self.head_dim
+        layer = [q * H, self.kv_dim * H, self.kv_dim * H, H * q, self.inter * H, self.inter * H, H * self.inter, H, H]
+        return [self.vocab * H, *layer * self.layers, H, *([] if self.tied else [self.vocab * H])]
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_dim * self.bytes
@@ -297,47 +303,77 @@ class Hop:
 
 def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slices: list[int],
                sampler_slices: dict[int, int], n_samplers: int, colocated: bool) -> list[Hop]:
-    """Weight sync, hop by hop, after the weight-sync design: gather the FSDP shards on trainer
-    0, then send the full weights across DCN once per remote slice that holds samplers, then
-    broadcast inside each slice over ICI. Colocated: an in-process reshard (all-gather only).
+    """Weight sync, hop by hop, after the design in ``rltpu/weight_sync.py``: every trainer streams
+    its own FSDP shard (W/f bytes, no gather) in buckets; a stream reaches the samplers of its own
+    slice by one broadcast (ICI) and crosses DCN once per other slice that holds samplers, to a
+    relay sampler that re-broadcasts inside its slice (ICI). Streams run in parallel from their own
+    chips. Colocated: an in-process reshard, i.e. the FSDP all-gather into each process's TP layout.
 
     ``sampler_slices`` maps slice -> sampler actors on it. On the cpu entry every link is gloo on
-    loopback: per-tensor all-gathers (``full_tensor``), a header broadcast and a verdict
-    all-reduce, then each bucket broadcast one-to-all (gloo sends to each receiver in turn).
+    loopback: a handshake and a verdict all-gather, then each stream's messages broadcast
+    one-to-all (gloo's root sends to every receiver in turn), plus a checksum broadcast.
     """
-    W = m.params * m.bytes
-    n_tensors = 1 + 9 * m.layers + 1 + (0 if m.tied else 1)
+    W = m.params * m.bytes  # the wire carries the sampler's dtype (model.dtype)
+    f = max(1, fsdp)
+    shard = W / f
     hops: list[Hop] = []
+    if colocated:
+        if f > 1:
+            link = "ICI" if len(set(trainer_slices)) == 1 else "DCN"
+            bw = (hw.ici_bw if link == "ICI" else hw.dcn_bw) * hw.link_eff
+            lat = hw.collective_latency_s if link == "ICI" else hw.dcn_latency_s
+            if hw.emulated:
+                link, bw, lat = "loopback", hw.cpu["gloo"]["bcast_bw"], hw.cpu["gloo"]["allgather_latency_s"]
+            hops.append(Hop("FSDP all-gather into each process's TP layout", link, "every chip", "every chip",
+                            W * (f - 1) / f, W * (f - 1) / f / bw + lat))
+        return hops
     if hw.emulated:
         g = hw.cpu["gloo"]
-        bw, lat = g["bcast_bw"], g["allgather_latency_s"]
-        if fsdp > 1:
-            hops.append(Hop("FSDP all-gather of full weights (one per tensor)", "loopback", "trainers", "trainer 0",
-                            W * (fsdp - 1) / fsdp, n_tensors * lat + W * (fsdp - 1) / fsdp / bw))
-        n_buckets = max(1, math.ceil(W / (w.bucket_mb * 2**20)))
-        hops.append(Hop("header + verdict + bucket broadcasts (one-to-all)", "loopback", "trainer 0",
-                        f"{n_samplers} samplers", W * n_samplers,
-                        (2 + n_buckets) * g["bcast_latency_s"] + n_samplers * W / bw))
+        msgs = stream_messages(m, f, w.bucket_mb)
+        payload = max(n_samplers * shard, W) / g["bcast_bw"]  # a sender's fan-out, or a receiver's W
+        hops.append(Hop("handshake + verdict all-gathers", "loopback", "all", "all", 0.0,
+                        2 * g["allgather_latency_s"]))
+        hops.append(Hop(f"{f} shard streams, {msgs} messages + checksum each, one-to-all", "loopback",
+                        f"{f} trainers", f"{n_samplers} samplers", n_samplers * W,
+                        (msgs + 1) * g["bcast_latency_s"] + payload))
         hops.append(Hop("Ray dispatch of push/receive", "local", "driver", "actors", 0.0, hw.cpu["ray"]["fanout4_s"]))
         return hops
-    ici = hw.ici_bw * hw.link_eff
-    if fsdp > 1:
-        link = "ICI" if len(set(trainer_slices)) == 1 else "DCN"
-        bw = ici if link == "ICI" else hw.dcn_bw * hw.link_eff
-        hops.append(Hop("FSDP all-gather of full weights", link, "trainers", "trainer 0" if not colocated else "every chip",
-                        W * (fsdp - 1) / fsdp, W * (fsdp - 1) / fsdp / bw + hw.collective_latency_s))
-    if colocated:
-        return hops
-    src_slice = trainer_slices[0]
+    ici, dcn = hw.ici_bw * hw.link_eff, hw.dcn_bw * hw.link_eff
+    by_src = {t: trainer_slices.count(t) for t in sorted(set(trainer_slices))}
     for s in sorted(sampler_slices):
-        if s != src_slice:
-            hops.append(Hop(f"full weights to slice {s} (once)", "DCN", f"slice {src_slice} trainer 0",
-                            f"slice {s} sampler leader", W, W / (hw.dcn_bw * hw.link_eff) + hw.dcn_latency_s))
-    for s, k in sorted(sampler_slices.items()):
-        if k > (0 if s == src_slice else 1):  # receivers left on this slice after the DCN leader
-            hops.append(Hop(f"broadcast inside slice {s}", "ICI", f"slice {s}", f"{k} samplers", W,
-                            W / ici + math.ceil(math.log2(k + 1)) * hw.collective_latency_s))
+        remote = {t: n for t, n in by_src.items() if t != s}  # streams that must cross DCN to reach s
+        if remote:
+            nbytes = shard * sum(remote.values())
+            hops.append(Hop(f"streams to slice {s} relay (once per slice)", "DCN",
+                            f"trainers on slice(s) {sorted(remote)}", f"slice {s} relay", nbytes,
+                            shard / dcn + hw.dcn_latency_s))
+        local = by_src.get(s, 0)
+        if local and sampler_slices[s]:
+            hops.append(Hop(f"streams inside slice {s}", "ICI", f"{local} trainers", f"{sampler_slices[s]} samplers",
+                            shard * local, shard / ici + math.ceil(math.log2(sampler_slices[s] + 1))
+                            * hw.collective_latency_s))
+        if remote and sampler_slices[s] > 1:
+            hops.append(Hop(f"relay broadcast inside slice {s}", "ICI", f"slice {s} relay",
+                            f"{sampler_slices[s] - 1} samplers", shard * sum(remote.values()),
+                            shard * sum(remote.values()) / ici + hw.collective_latency_s))
     return hops
+
+
+def stream_messages(m: ModelShape, f: int, bucket_mb: float) -> int:
+    """Messages in one trainer's stream: pieces of at least min(bucket/4, 256 KiB) go on their own
+    (chunked to the bucket), smaller ones are packed into buckets (as ``plan_stream`` does)."""
+    bucket = bucket_mb * 2**20
+    direct_min = min(bucket / 4, 256 * 1024)
+    big = small = 0
+    n = 0
+    for numel in m.tensor_numels():
+        piece = numel / f * m.bytes
+        if piece >= direct_min:
+            n += math.ceil(piece / bucket)
+            big += piece
+        else:
+            small += piece
+    return n + max(1, math.ceil(small / bucket)) if small else max(n, 1)
 
 
 def compile_seconds(hw: Hardware, m: ModelShape, cells: int, trainer_programs: int) -> float:
