@@ -43,16 +43,22 @@ class TrainerEngine:
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
         self.critic = None
         if critic_cfg is not None:  # PPO: the value model lives on the same ranks as the policy
-            from learner.critic import LlamaForValue, critic_state_from_policy
+            from learner.critic import LlamaForValue, critic_state_from_policy, load_backbone_from_checkpoint
 
-            self.critic = LlamaForValue(model_cfg, vocab_size)
-            init = state if state is not None else full_state_dict(self.model)
-            self.critic.load_state_dict(critic_state_from_policy(init), strict=False)
-            self.critic.to(self.device)
+            if state is not None:  # seeded init: the policy's starting weights, already in memory
+                self.critic = LlamaForValue(model_cfg, vocab_size)
+                self.critic.load_state_dict(critic_state_from_policy(state), strict=False)
+                self.critic.to(self.device)
+            else:  # model.path: meta build, shard, then stream each rank's rows (no full copy)
+                with torch.device("meta"):
+                    self.critic = LlamaForValue(model_cfg, vocab_size)
             if self.mesh is not None:
                 self._parallelize(self.critic)
             elif self.cfg.activation_checkpointing:
                 checkpoint_layers(self.critic)
+            if state is None:
+                self.critic.to_empty(device=self.device)
+                load_backbone_from_checkpoint(self.critic, model_cfg)
             self.critic_optimizer, self.critic_scheduler = build_optimizer(self.critic, critic_cfg)
 
     def _build(self, model_cfg, vocab_size, state):

@@ -68,3 +68,22 @@ def test_ppo_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="only used by trainer.algorithm=ppo"):
         load_config(cfg, ["critic.lr=0.001"])
     assert load_config(cfg, ["trainer.algorithm=ppo", "critic.lr=0.001"]).critic.lr == 0.001
+
+
+def test_critic_from_model_path_streams_the_backbone(tmp_path):
+    """With model.path the critic's backbone is read from the checkpoint (no gathered copy): it
+    equals the policy's backbone, and its head starts at zero."""
+    pytest.importorskip("transformers")
+    from rltpu.hf.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "ck", "qwen2")
+    from rltpu.config import ModelConfig
+    from rltpu.hf.config import merge_checkpoint_config
+
+    mcfg = ModelConfig(**merge_checkpoint_config({"path": str(tmp_path / "ck")}))
+    eng = TrainerEngine(mcfg, TCFG, mcfg.vocab_size, SEED, TEMPERATURE, critic_cfg=CCFG)
+    pol = dict(eng.model.named_parameters())
+    for name, p in eng.critic.named_parameters():
+        if name.startswith("model."):
+            assert torch.equal(p, pol[name]), name
+    assert not eng.critic.score.weight.any()
