@@ -30,8 +30,8 @@ from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.metrics import MetricsWriter
 from rltpu.rewards import load_reward_fn
-from rltpu.rollout import (build_train_batch, keep_informative_groups, merge_generations, score,
-                           select_groups, split_by_rank, split_prompts, train_layout)
+from rltpu.rollout import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
+                           score, split_by_rank, split_prompts, train_layout)
 from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
 from rltpu.weight_sync import param_spec
 
@@ -311,7 +311,7 @@ class Controller:
         topped up with zero-variance groups (zero advantage; counted in ``ds_filler_groups``).
         """
         cfg, n = self.cfg, self.cfg.trainer.prompts_per_step
-        kept_gen, kept_rewards, spare, outs_all, sampled = [], [], [], [], []
+        done_rounds, outs_all, sampled = [], [], []
         rounds, have, seen = 0, 0, 0
         while have < n and rounds < (cfg.trainer.max_sample_rounds if cfg.trainer.dynamic_sampling else 1):
             examples = self.data.next_batch(n)
@@ -328,23 +328,13 @@ class Controller:
             rounds, seen = rounds + 1, seen + n
             if not cfg.trainer.dynamic_sampling:
                 return gen, rewards, outs, {}
-            keep = keep_informative_groups(rewards, G)
-            drop = np.setdiff1d(np.arange(n), keep)
-            kept_gen.append(select_groups(gen, keep, G))
-            kept_rewards.append(rewards.reshape(n, G)[keep].reshape(-1))
-            spare.append((select_groups(gen, drop, G), rewards.reshape(n, G)[drop].reshape(-1)))
-            have += len(keep)
-        filler = max(n - have, 0)
-        if filler:
-            kept_gen += [g for g, _ in spare]
-            kept_rewards += [r for _, r in spare]
-        gen = merge_generations(kept_gen, self.tokenizer.pad_id)
-        gen = select_groups(gen, np.arange(n), G)  # exactly n groups, informative ones first
-        rewards = np.concatenate(kept_rewards)[: n * G]
+            done_rounds.append((gen, rewards))
+            have += len(keep_informative_groups(rewards, G))
+        gen, rewards, have, filler = fill_dynamic_batch(done_rounds, n, G, self.tokenizer.pad_id)
         # reward_mean: over everything sampled this step (the policy's real score); the kept batch's
         # mean is biased upward by the filter and is reported beside it
         return gen, rewards, [o for outs in outs_all for o in outs], {
-            "ds_rounds": rounds, "ds_prompts_sampled": seen, "ds_informative_groups": min(have, n),
+            "ds_rounds": rounds, "ds_prompts_sampled": seen, "ds_informative_groups": have,
             "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
             "reward_mean_sampled": float(np.concatenate(sampled).mean())}
 

@@ -92,6 +92,25 @@ def select_groups(gen: dict, groups: np.ndarray, group_size: int) -> dict:
             for k, v in gen.items()}
 
 
+def fill_dynamic_batch(rounds: list[tuple[dict, np.ndarray]], n: int, group_size: int,
+                       pad_id: int) -> tuple[dict, np.ndarray, int, int]:
+    """DAPO's refill: from successive sampling rounds (each ``(gen, rewards)`` of n groups), the first
+    n informative groups in sampling order; if there are fewer, the batch is topped up with
+    zero-variance groups in sampling order. Returns ``(gen, rewards, informative, filler)``."""
+    G = group_size
+    kept, spare = [], []
+    for gen, rewards in rounds:
+        groups = np.asarray(rewards).reshape(-1, G)
+        keep = keep_informative_groups(rewards, G)
+        drop = np.setdiff1d(np.arange(len(groups)), keep)
+        kept.append((select_groups(gen, keep, G), groups[keep].reshape(-1)))
+        spare.append((select_groups(gen, drop, G), groups[drop].reshape(-1)))
+    have = sum(len(r) // G for _, r in kept)
+    parts = [p for p in kept + (spare if have < n else []) if len(p[1])]
+    gen = select_groups(merge_generations([g for g, _ in parts], pad_id), np.arange(n), G)
+    return gen, np.concatenate([r for _, r in parts])[: n * G], min(have, n), max(n - have, 0)
+
+
 def split_by_rank(batch: dict, n: int) -> list[dict]:
     """Contiguous row shards, one per trainer rank; each carries the global loss-token and row counts."""
     rows = len(batch["advantages"])

@@ -10,8 +10,8 @@ from learner.losses import (LossScale, aggregate, discounted_returns, gae, grpo_
                             outcome_token_rewards, policy_loss, rloo_advantages, token_advantages,
                             token_logprobs, whiten)
 from rltpu.config import ConfigError, load_config
-from rltpu.rollout import (build_train_batch, keep_informative_groups, merge_generations, select_groups,
-                           split_by_rank)
+from rltpu.rollout import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
+                           select_groups, split_by_rank)
 
 
 def grpo_loss(logp, old, adv, mask, clip_eps, normalizer, **kw):
@@ -250,3 +250,31 @@ def test_microbatch_config_errors(tmp_path):
     assert load_config(cfg, ["trainer.micro_batch_tokens=1536"]).trainer.micro_batch_tokens == 1536
     with pytest.raises(ConfigError, match="below seq_bucket"):
         load_config(cfg, ["trainer.micro_batch_tokens=8"])
+
+
+def _round(rewards, first_id):
+    """One sampling round of len(rewards)/2 groups of 2; row ids = lengths, to trace where rows went."""
+    R = len(rewards)
+    ids = np.arange(first_id, first_id + R)
+    gen = {"prompt": ids[:, None], "prompt_mask": np.ones((R, 1)), "tokens": np.stack([ids, ids], 1),
+           "logprobs": np.zeros((R, 2)), "lengths": ids, "version": 0}
+    return gen, np.asarray(rewards, np.float32)
+
+
+def test_dynamic_sampling_refill_by_hand():
+    # n = 3 groups of G = 2 per round. Round 1: groups [eq, diff, eq]; round 2: [diff, diff, eq]
+    r1 = _round([1, 1, 0, 1, 0, 0], 0)  # rows 0..5: group 1 (rows 2, 3) is informative
+    r2 = _round([0, 1, 1, 0, 5, 5], 10)  # rows 10..15: groups 0 (10, 11) and 1 (12, 13)
+    gen, rewards, have, filler = fill_dynamic_batch([r1, r2], 3, 2, pad_id=0)
+    # the first 3 informative groups in sampling order: (2, 3), (10, 11), (12, 13)
+    np.testing.assert_array_equal(gen["lengths"], [2, 3, 10, 11, 12, 13])
+    np.testing.assert_array_equal(rewards, [0, 1, 0, 1, 1, 0])
+    assert (have, filler) == (3, 0)
+    # one round only: 1 informative group, topped up with the first 2 zero-variance groups
+    gen, rewards, have, filler = fill_dynamic_batch([r1], 3, 2, pad_id=0)
+    np.testing.assert_array_equal(gen["lengths"], [2, 3, 0, 1, 4, 5])
+    np.testing.assert_array_equal(rewards, [0, 1, 1, 1, 0, 0])
+    assert (have, filler) == (1, 2)
+    # the filler groups carry zero advantage: they add tokens but no gradient signal
+    adv = grpo_advantages(torch.from_numpy(rewards), 2)
+    assert torch.all(adv[2:] == 0) and torch.all(adv[:2] != 0)
