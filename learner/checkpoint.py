@@ -7,8 +7,8 @@ Layout of ``<run_dir>/checkpoint/``:
     trainer_state.json       step, weight version, data cursor, torch RNG state, optimizer param groups,
                              scheduler, sha256 of each file
 A checkpoint is written to ``checkpoint.tmp``, fsynced, then renamed over the old one (the old
-one is kept as ``checkpoint.prev`` until the rename is done), so a crash at any point leaves a
-complete checkpoint on disk.
+one shifts to ``checkpoint.prev``, older ones to ``.prev2``... up to ``checkpoint.keep_last``), so a
+crash at any point leaves a complete checkpoint on disk, and ``latest_valid`` skips a corrupt one.
 """
 
 from __future__ import annotations
@@ -57,10 +57,18 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], param_groups: list) -
     return {"state": state, "param_groups": param_groups}
 
 
+def history(directory: Path, keep: int) -> list[Path]:
+    """``checkpoint``, ``checkpoint.prev``, ``checkpoint.prev2``, ...: newest first, ``keep`` long."""
+    directory = Path(directory)
+    return [directory] + [directory.with_name(directory.name + (".prev" if i == 1 else f".prev{i}"))
+                          for i in range(1, keep)]
+
+
 def save_checkpoint(directory: Path, model_sd: dict, optim_sd: dict, meta: dict,
-                    extra: dict[str, tuple[dict, dict]] | None = None) -> Path:
+                    extra: dict[str, tuple[dict, dict]] | None = None, keep: int = 1) -> Path:
     """``extra``: more trained modules by name (e.g. PPO's ``critic``), each (state dict, optimizer
-    state), written as ``<name>.safetensors`` and ``<name>_optimizer.safetensors``."""
+    state), written as ``<name>.safetensors`` and ``<name>_optimizer.safetensors``.
+    ``keep``: checkpoints kept after this one lands (older ones shift to ``.prev``, ``.prev2``...)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     prev = directory.with_name(directory.name + ".prev")
@@ -78,13 +86,45 @@ def save_checkpoint(directory: Path, model_sd: dict, optim_sd: dict, meta: dict,
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    if directory.exists():
-        shutil.rmtree(prev, ignore_errors=True)
-        directory.rename(prev)
+    chain = history(directory, max(keep, 2))
+    shutil.rmtree(chain[-1], ignore_errors=True)
+    for older, newer in zip(reversed(chain[1:]), reversed(chain[:-1])):  # prev -> prev2, latest -> prev
+        if newer.exists():
+            newer.rename(older)
     tmp.rename(directory)
     _fsync_dir(directory.parent)
-    shutil.rmtree(prev, ignore_errors=True)
+    if keep < 2:
+        shutil.rmtree(prev, ignore_errors=True)
     return directory
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """The checkpoint's JSON if every file it lists exists with its sha256, else ValueError naming
+    the first bad file (a truncated or half-written file fails here)."""
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / "trainer_state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {directory}: unreadable trainer_state.json ({err})") from None
+    for name, digest in meta.get("sha256", {}).items():
+        if not (directory / name).exists() or _sha256(directory / name) != digest:
+            raise ValueError(f"checkpoint file {directory / name} is corrupt (sha256 mismatch)")
+    return meta
+
+
+def latest_valid(directory: Path, keep: int = 8, warn=None) -> Path | None:
+    """The newest checkpoint in ``history(directory)`` that verifies; each skipped one is reported
+    through ``warn(message)``. None when there is no valid checkpoint at all."""
+    for path in history(directory, keep):
+        if not (path / "trainer_state.json").exists():
+            continue
+        try:
+            verify_checkpoint(path)
+            return path
+        except ValueError as err:
+            if warn:
+                warn(f"{err}; falling back to the previous checkpoint")
+    return None
 
 
 def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
@@ -96,10 +136,7 @@ def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
             directory = prev
         else:
             raise FileNotFoundError(f"no checkpoint at {directory} (expected trainer_state.json)")
-    meta = json.loads((directory / "trainer_state.json").read_text())
-    for name, digest in meta.get("sha256", {}).items():
-        if _sha256(directory / name) != digest:
-            raise ValueError(f"checkpoint file {directory / name} is corrupt (sha256 mismatch)")
+    meta = verify_checkpoint(directory)
     model_sd = load_file(directory / "model.safetensors")
     optim_sd = _unflatten_optimizer(load_file(directory / "optimizer.safetensors"), meta.pop("optimizer_param_groups"))
     meta["extra"] = {name: (load_file(directory / f"{name}.safetensors"),

@@ -4,8 +4,12 @@
     rltpu export RUN_DIR/checkpoint OUT_DIR          # a Hugging Face directory of the policy
     rltpu tiny-checkpoint OUT_DIR --arch qwen2       # a tiny random HF checkpoint for dry runs
     rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
+    rltpu status [RUN_DIR]                           # actor table from health.json; exit 1 when unhealthy
+    rltpu dashboard [RUN_DIR] [--port 8266]          # live page on 127.0.0.1, Prometheus text at /metrics
 
-User errors (config, placement) print one line and exit with code 2, with no traceback.
+User errors (config, placement) print one line and exit with code 2, with no traceback. SIGTERM
+stops a run like Ctrl-C (checkpoint of the last landed step, exit 143); a job stopped by its
+health policy (an actor failed past ``health.max_restarts``) exits with 3.
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def cmd_train(args) -> int:
+    import signal
+
     from rltpu.cluster import PlacementError
+    from rltpu.health import HealthError
     from rltpu.topology import ChipConflictError
 
     try:
@@ -37,16 +48,25 @@ def cmd_train(args) -> int:
         controller = Controller(cfg, address=args.address, resume=args.resume)
     except (ConfigError, ValueError) as err:
         return _fail(str(err))
+    end, terminated = "failed", []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: (terminated.append(s), _sigterm(s, f)))
     try:
         controller.start()
         records = controller.run()
+        end = "finished"
     except (ConfigError, PlacementError, ChipConflictError) as err:
         return _fail(str(err))
+    except HealthError as err:
+        print(f"rltpu: error: job stopped by its health policy: {err}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
+        end = "stopped"
         print(f"rltpu: stopped; checkpoint and metrics are in {controller.run_dir}", file=sys.stderr)
-        return 130
+        return 143 if terminated else 130
     finally:
-        controller.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # shutting down: a second TERM must not cut it short
+        controller.shutdown(end)
+        signal.signal(signal.SIGTERM, previous)
     last = records[-5:]
     if last:
         mean = sum(r["reward_mean"] for r in last) / len(last)
@@ -133,6 +153,43 @@ def cmd_tiny_checkpoint(args) -> int:
         return _fail(str(err))
 
 
+def cmd_status(args) -> int:
+    """Exit 0 healthy (or finished), 1 unhealthy, 2 no health file."""
+    from rltpu.health import assess, format_status, read_health
+
+    try:
+        doc = read_health(args.run_dir)
+    except (OSError, ValueError) as err:
+        return _fail(str(err))
+    if args.json:
+        import json
+
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_status(doc))
+    return 0 if assess(doc)[0] else 1
+
+
+def cmd_dashboard(args) -> int:
+    from pathlib import Path
+
+    from rltpu.dashboard import serve
+
+    if not Path(args.run_dir).is_dir():
+        return _fail(f"no run directory {args.run_dir}; pass the run_dir of `rltpu train` (e.g. runs/quickstart)")
+    try:
+        server = serve(args.run_dir, args.host, args.port)
+    except OSError as err:
+        return _fail(f"cannot serve on {args.host}:{args.port} ({err.strerror}); pick another --port")
+    host, port = server.server_address[:2]
+    print(f"rltpu: dashboard for {args.run_dir} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (``rltpu: error: ...``, exit 2), like config errors."""
 
@@ -172,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--rebench", action="store_true", help="measure this CPU again (cpu hardware only)")
     q.add_argument("--top", type=int, default=12, help="feasible candidates shown in the reports")
     q.set_defaults(func=cmd_plan)
+    q = sub.add_parser("status", help="actor health table of a run (exit 1 when unhealthy)")
+    q.add_argument("run_dir", nargs="?", default="runs/quickstart", help="run directory (default runs/quickstart)")
+    q.add_argument("--json", action="store_true", help="print health.json instead of the table")
+    q.set_defaults(func=cmd_status, overrides=[])
+    q = sub.add_parser("dashboard", help="serve a run's live dashboard on 127.0.0.1")
+    q.add_argument("run_dir", nargs="?", default="runs/quickstart", help="run directory (default runs/quickstart)")
+    q.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    q.add_argument("--port", type=int, default=8266, help="port (0: any free one)")
+    q.set_defaults(func=cmd_dashboard, overrides=[])
     # overrides may come before or after flags (argparse alone stops collecting them at a flag)
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

@@ -361,8 +361,9 @@ class CriticConfig(_Section):
 class SyncConfig(_Section):
     """Trainer -> sampler weight broadcast over a torch.distributed (gloo on CPU) group."""
 
-    bucket_mb: float = Field(16.0, gt=0)
-    timeout_s: float = Field(120.0, gt=0)
+    bucket_mb: float = Field(16.0, gt=0)  # flat bucket size per trainer stream (trainer peak extra <= 2 buckets)
+    timeout_s: float = Field(120.0, gt=0)  # every sync collective and rendezvous: a dead peer fails within it
+    wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the sampler's dtype (model.dtype)
     verify_every: int = Field(10, ge=0)  # compare sampler vs trainer logits on a probe every N syncs (0: never)
 
 
@@ -376,6 +377,44 @@ class BackendConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0)  # 0: only the final (and Ctrl-C) checkpoint
+    keep_last: int = Field(2, ge=1)  # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ...: a corrupt latest falls back
+
+
+class PhaseDeadlines(_Section):
+    """Seconds an actor may stay in one phase before it is declared hung, fenced and replaced."""
+
+    compiling: float = Field(1800.0, gt=0)
+    loading: float = Field(1800.0, gt=0)
+    sampling: float = Field(600.0, gt=0)
+    scoring: float = Field(600.0, gt=0)
+    training: float = Field(600.0, gt=0)
+    syncing: float = Field(120.0, gt=0)
+    checkpointing: float = Field(600.0, gt=0)
+
+
+class HealthConfig(_Section):
+    """Heartbeats, deadlines and restarts (``rltpu.health``)."""
+
+    enabled: bool = True
+    heartbeat_s: float = Field(1.0, gt=0)  # each actor reports this often, from its own thread
+    heartbeat_timeout_s: float = Field(60.0, gt=0)  # silence longer than this (e.g. SIGSTOP): hung
+    deadlines: PhaseDeadlines = PhaseDeadlines()
+    max_restarts: int = Field(3, ge=0)  # per actor slot; one more failure stops the job with a report
+    poll_s: float = Field(1.0, gt=0)  # the controller's watchdog: health.json and verdicts this often
+
+
+class DashboardConfig(_Section):
+    enabled: bool = False  # `rltpu train` serves the live page while it runs
+    host: str = "127.0.0.1"
+    port: int = Field(8266, ge=0, le=65535)  # 0: any free port (printed at start)
+
+
+class LoggersConfig(_Section):
+    """metrics.jsonl is always written; these add the optional loggers (the `loggers` extra)."""
+
+    tensorboard: bool = False
+    wandb: bool = False  # offline mode: files under run_dir/wandb, nothing sent
+    mlflow: bool = False  # local file store: run_dir/mlruns
 
 
 class PlannerConfig(_Section):
@@ -406,6 +445,9 @@ class RunConfig(_Section):
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    health: HealthConfig = HealthConfig()
+    dashboard: DashboardConfig = DashboardConfig()
+    loggers: LoggersConfig = LoggersConfig()
     planner: PlannerConfig = PlannerConfig()
     progress: bool = True
 
