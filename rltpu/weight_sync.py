@@ -1,36 +1,49 @@
-"""Trainer -> sampler weight sync over a torch.distributed collective, in flat versioned buckets.
+"""Trainer -> sampler weight sync: sharded, bucketed, routed by slice, versioned, published atomically.
 
-Ordering (every participant runs the same loop, so the collectives line up):
+Participants of one sync are numbered ("sync ranks"): trainers ``0..M-1``, samplers ``M..M+N-1``.
+Each generation of the fabric is its own set of standalone gloo process groups (own TCPStore
+prefix, own timeout), independent of the FSDP world, so a sync that broke because a sampler died
+is repaired by building generation ``g+1`` with a replacement in the dead sampler's seat.
 
-    trainers (all ranks): full = all-gather of the FSDP shards           # FSDP2 full_tensor()
-    trainer rank 0:       broadcast header [version, n_buckets, spec_digest]
-    samplers:             receive header; refuse a digest (or version) that is not theirs
-    all:                  all-reduce(MAX) of the samplers' refusal flags: on a refusal every
-                          participant raises at once, before any payload (no one is left blocked
-                          in a broadcast, and the group stays aligned for the next sync)
-    for bucket in plan:   trainer 0 packs bucket -> broadcast(flat, src=0, group=sync_group)
-                          samplers unpack views of the flat buffer (no copy) -> JAX via DLPack
-    samplers:             swap to the new params dict only after the last bucket arrived
+One sync, in order (every participant runs the same schedule, so collectives line up):
 
-The plan (which tensors share a bucket, in what order) is a pure function of the parameter spec
-(names, shapes, dtypes) and the bucket size, so sender and receivers compute it independently and
-the header digest proves they agree before any payload moves. Collectives inherit the process
-group timeout (``sync.timeout_s``), so a dead peer fails the sync instead of hanging it.
+    all:        handshake = all-gather [version, layout digest] on the control group; any mismatch:
+                all-gather the layouts themselves, raise one line naming the first differing rank
+                and tensor (nobody enters the payload phase)
+    trainer r:  stream r = its own FSDP dim-0 shards (no gather), packed into flat byte buckets of
+                ``bucket_bytes`` (pieces 64-byte aligned, big shards split across buckets, an int64
+                checksum in each bucket's trailer); two buffers: bucket k+1 is packed while bucket k
+                is on the wire (async broadcast)
+    route:      stream r goes by one broadcast to the samplers of the trainer's slice (ICI) and to
+                one relay sampler per other slice (DCN, once per destination slice); each relay
+                re-broadcasts it to the rest of its slice (ICI)
+    samplers:   verify each bucket's checksum, copy its pieces into a staging arena (the new
+                version, beside the live one; 64-byte aligned tensors, so JAX aliases them)
+    all:        verdict = all-gather of [bad flag, stream, bucket]; publish only if nobody failed
+
+Every wait has ``timeout_s``; a dead peer closes its sockets, so the others fail within it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-ParamSpec = list[tuple[str, tuple[int, ...], str]]  # (name, shape, torch dtype name)
+ParamSpec = list[tuple[str, tuple[int, ...], str]]  # (name, full shape, sampler dtype name)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIGN_BYTES = 64  # JAX's CPU client aliases (zero-copy) DLPack buffers only at 64-byte alignment
+TRAILER_BYTES = 64  # per bucket: int64 checksum, padded to keep the next buffer aligned
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that did not publish: handshake mismatch, checksum failure, dead or slow peer."""
 
 
 def param_spec(model_cfg, vocab_size: int) -> ParamSpec:
@@ -38,119 +51,503 @@ def param_spec(model_cfg, vocab_size: int) -> ParamSpec:
     ``model.dtype``)."""
     from rltpu.models import param_shapes
 
-    return [(k, shape, model_cfg.dtype) for k, shape in param_shapes(model_cfg, vocab_size).items()]
+    return [(k, tuple(shape), model_cfg.dtype) for k, shape in param_shapes(model_cfg, vocab_size).items()]
 
 
 def spec_digest(spec: ParamSpec) -> int:
-    h = hashlib.sha256(repr(spec).encode()).digest()
+    h = hashlib.sha256(repr([(n, tuple(s), d) for n, s, d in spec]).encode()).digest()
     return int.from_bytes(h[:7], "little")  # fits in int64
 
 
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def shard_rows(d0: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 that FSDP2 (``Shard(0)``, torch.chunk semantics) gives ``rank``."""
+    c = -(-d0 // world)
+    return min(rank * c, d0), min((rank + 1) * c, d0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: per trainer rank, which shard pieces travel in which bucket
+
+
 @dataclass(frozen=True)
-class Bucket:
-    dtype: str
-    entries: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, numel)
+class Piece:
+    name: str
+    offset: int  # byte offset in the message
+    start: int  # element offset in the full (flattened) tensor
     numel: int
+    wire: str  # dtype on the wire
 
 
-ALIGN_BYTES = 64  # JAX's CPU client aliases (zero-copy) DLPack buffers only at 64-byte alignment
+@dataclass(frozen=True)
+class Message:
+    """One broadcast of a stream: a packed bucket (``slot`` 0/1: which of the two buffers), or a
+    direct chunk (``slot`` -1: one piece, sent from the shard and received into the staging arena
+    as is, no copy on either side)."""
+
+    nbytes: int
+    pieces: tuple[Piece, ...]
+    slot: int
+
+    @property
+    def direct(self) -> bool:
+        return self.slot < 0
 
 
-def plan_buckets(spec: ParamSpec, bucket_bytes: int) -> list[Bucket]:
-    """Consecutive same-dtype tensors share a bucket up to ``bucket_bytes``; each entry starts at
-    a 64-byte-aligned offset so receivers can hand views of the flat buffer to JAX without a copy.
-    A tensor larger than a bucket gets a bucket of its own."""
-    buckets, cur, cur_dtype, cur_numel = [], [], None, 0
+def wire_dtype_of(dtype: str, wire: str) -> str:
+    return dtype if wire == "auto" else wire
+
+
+def direct_min_bytes(bucket_bytes: int) -> int:
+    """Shard pieces at least this big skip packing (their own messages, chunked to the bucket size)."""
+    return min(bucket_bytes // 4, 256 * 1024)
+
+
+def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, wire: str = "auto") -> list[Message]:
+    """Trainer ``rank``'s shards, in spec order, as messages of at most ``bucket_bytes``.
+
+    A piece whose wire dtype is the sampler's dtype and which is big enough goes direct, in chunks
+    of at most a bucket; smaller (or converted) pieces are packed at 64-byte-aligned offsets into
+    flat buckets, split at a bucket's end when they do not fit, so no buffer exceeds ``bucket_bytes``.
+    A pure function of its arguments: senders and receivers compute it independently.
+    """
+    if bucket_bytes < 4 * ALIGN_BYTES:
+        raise ValueError(f"sync bucket of {bucket_bytes} bytes is too small; use sync.bucket_mb >= 0.001")
+    msgs, pieces, used, parity = [], [], 0, 0
+    dmin = direct_min_bytes(bucket_bytes)
+    cap = bucket_bytes // ALIGN_BYTES * ALIGN_BYTES  # a packed bucket ends aligned, inside the bucket
 
     def flush():
-        nonlocal cur, cur_numel
-        if cur:
-            buckets.append(Bucket(cur_dtype, tuple(cur), cur_numel))
-        cur, cur_numel = [], 0
+        nonlocal pieces, used, parity
+        if pieces:
+            msgs.append(Message(_align(used), tuple(pieces), parity))
+            parity ^= 1
+        pieces, used = [], 0
 
     for name, shape, dtype in spec:
-        numel = int(np.prod(shape)) if shape else 1
-        itemsize = _DTYPES[dtype].itemsize
-        align = ALIGN_BYTES // itemsize
-        offset = -(-cur_numel // align) * align
-        if cur and (dtype != cur_dtype or (offset + numel) * itemsize > bucket_bytes):
-            flush()
-            offset = 0
-        cur_dtype = dtype
-        cur.append((name, tuple(shape), offset, numel))
-        cur_numel = offset + numel
+        wd = wire_dtype_of(dtype, wire)
+        isz = _DTYPES[wd].itemsize
+        d0 = shape[0] if len(shape) else 1
+        row = _numel(shape[1:]) if len(shape) else 1
+        r0, r1 = shard_rows(d0, n_trainers, rank)
+        start, left = r0 * row, (r1 - r0) * row
+        if wd == dtype and left * isz >= dmin and (start * isz) % 8 == 0:
+            chunk = cap // isz
+            while left > 0:
+                n = min(left, chunk)
+                msgs.append(Message(n * isz, (Piece(name, 0, start, n, wd),), -1))
+                start, left = start + n, left - n
+            continue
+        while left > 0:
+            off = _align(used)
+            room = (cap - off) // isz if off < cap else 0
+            if room <= 0:
+                flush()
+                continue
+            n = min(left, room)
+            pieces.append(Piece(name, off, start, n, wd))
+            used, start, left = off + n * isz, start + n, left - n
     flush()
-    return buckets
+    return msgs
 
 
-_LAYOUT, _VERSION = 1, 2  # why a sampler refuses a header (bit flags)
+def layout_digest(spec: ParamSpec, n_trainers: int, bucket_bytes: int, wire: str) -> int:
+    """What every participant must agree on besides the version (names, shapes, dtypes, plan inputs)."""
+    return spec_digest([("__plan__", (n_trainers, bucket_bytes), wire), *spec])
 
 
-def _verdict(flags: int, group) -> int:
-    """Every participant learns every refusal: a 2-element MAX all-reduce, one slot per reason."""
-    t = torch.tensor([flags & _LAYOUT, flags & _VERSION], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t[0]) | int(t[1])
+def staging_layout(spec: ParamSpec) -> tuple[dict[str, int], int]:
+    """Byte offset of each full tensor in a sampler's staging arena (64-byte aligned), and its size."""
+    offs, used = {}, 0
+    for name, shape, dtype in spec:
+        used = _align(used)
+        offs[name] = used
+        used += _numel(shape) * _DTYPES[dtype].itemsize
+    return offs, _align(used)
 
 
-def _refusals(flags: int, version: int) -> str:
-    why = []
-    if flags & _LAYOUT:
-        why.append("parameter layout differs: trainer and sampler model configs disagree")
-    if flags & _VERSION:
-        why.append(f"version {version} is not the one the controller expected")
-    return "; ".join(why)
+def _checksum(msg: torch.Tensor) -> int:
+    """Wrapping int64 sum of the message's 8-byte words (tail bytes added singly): one vectorised
+    read pass; the same on both ends because every message starts 8-byte aligned there."""
+    b = msg.view(torch.uint8) if msg.dtype != torch.uint8 else msg
+    n8 = b.numel() // 8 * 8
+    total = int(b[:n8].view(torch.int64).sum()) if n8 else 0
+    if n8 < b.numel():
+        total += int(b[n8:].sum())
+    return (total + 2**63) % 2**64 - 2**63  # back into int64 range
 
 
-def send_weights(state: dict[str, torch.Tensor], spec: ParamSpec, version: int, bucket_bytes: int, group,
-                 src: int = 0) -> dict:
-    """Run on the source trainer rank: header, then every bucket, over ``group``."""
+# ---------------------------------------------------------------------------------------------
+# the route: from slices of trainers and samplers to groups and link classes
+
+
+@dataclass
+class Route:
+    """Groups (members as sync ranks, root first) and who receives each stream from where.
+
+    ``recv_from[(p, r)]``: the group on which sync rank ``p`` receives stream ``r``;
+    ``forwards[p]``: ``(r, group)`` pairs a relay re-broadcasts after receiving.
+    """
+
+    n_trainers: int
+    slices: list[int]  # slice of each sync rank
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    recv_from: dict[tuple[int, int], str] = field(default_factory=dict)
+    forwards: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    relays: dict[int, int] = field(default_factory=dict)  # slice -> relay sync rank
+
+    @property
+    def size(self) -> int:
+        return len(self.slices)
+
+
+def plan_route(trainer_slices: list[int], sampler_slices: list[int]) -> Route:
+    """Each stream crosses DCN at most once per destination slice, then fans out over ICI.
+
+    Stream ``r`` (trainer ``r`` on slice ``t``): one broadcast group ``t{r}`` = the trainer, every
+    sampler on slice ``t``, and the relay (lowest sampler) of each other slice. Per other slice
+    ``s``: ``f{s}.{t}`` = its relay plus its other samplers, carrying the streams from slice ``t``.
+    """
+    M = len(trainer_slices)
+    rt = Route(M, list(trainer_slices) + list(sampler_slices))
+    by_slice: dict[int, list[int]] = {}
+    for j, s in enumerate(sampler_slices):
+        by_slice.setdefault(s, []).append(M + j)
+    rt.relays = {s: ps[0] for s, ps in sorted(by_slice.items())}
+    for r, t in enumerate(trainer_slices):
+        direct = by_slice.get(t, [])
+        remote = [rt.relays[s] for s in sorted(by_slice) if s != t]
+        g = f"t{r}"
+        rt.groups[g] = (r, *direct, *remote)
+        for p in (*direct, *remote):
+            rt.recv_from[(p, r)] = g
+        for s in sorted(by_slice):
+            if s == t or len(by_slice[s]) < 2:
+                continue
+            f = f"f{s}.{t}"
+            rt.groups.setdefault(f, tuple(by_slice[s]))
+            rt.forwards.setdefault(rt.relays[s], []).append((r, f))
+            for p in by_slice[s][1:]:
+                rt.recv_from[(p, r)] = f
+    rt.groups["ctl"] = tuple(range(rt.size))
+    return rt
+
+
+def link_of(route: Route, p: int, group: str) -> str:
+    """Link class of sync rank ``p`` receiving on ``group``: DCN when the root sits on another slice."""
+    root = route.groups[group][0]
+    return "ici" if route.slices[root] == route.slices[p] else "dcn"
+
+
+def route_link_bytes(route: Route, stream_bytes: list[int]) -> dict[str, int]:
+    """Bytes each link class carries for one sync, from the route alone (what receivers should count)."""
+    out = {"ici": 0, "dcn": 0}
+    for (p, r), g in route.recv_from.items():
+        out[link_of(route, p, g)] += stream_bytes[r]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the fabric: one generation of standalone gloo groups
+
+_STORES: dict[tuple[str, int], object] = {}  # TCPStore servers hosted by this process
+
+
+def host_store(host: str, port: int, timeout_s: float):
+    """Start (once per process) the TCPStore every generation rendezvouses on; trainer 0 hosts it."""
+    import torch.distributed as dist
+
+    key = (host, port)
+    if key not in _STORES:
+        _STORES[key] = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return _STORES[key]
+
+
+class SyncFabric:
+    """The process groups of one generation that this participant belongs to.
+
+    Groups are created in one global order (sorted names); each constructor blocks until all its
+    members arrive, and a common order makes that deadlock-free.
+    """
+
+    def __init__(self, host: str, port: int, generation: int, me: int, route: Route, timeout_s: float):
+        import torch.distributed as dist
+        from torch.distributed import ProcessGroupGloo
+
+        self.generation, self.me, self.route, self.timeout_s = generation, me, route, timeout_s
+        self.timeout = timedelta(seconds=timeout_s)
+        store = _STORES.get((host, port)) or dist.TCPStore(host, port, None, False, self.timeout)
+        self.groups: dict[str, tuple[object, int]] = {}  # name -> (pg, my rank in it)
+        dev = ProcessGroupGloo.create_device(hostname=host)
+        for name in sorted(route.groups):
+            members = route.groups[name]
+            if me not in members:
+                continue
+            opts = ProcessGroupGloo._Options()
+            opts._devices = [dev]
+            opts._timeout = self.timeout
+            opts._threads = 2
+            prefixed = dist.PrefixStore(f"rltpu-sync/g{generation}/{name}", store)
+            try:
+                pg = ProcessGroupGloo(prefixed, members.index(me), len(members), opts)
+            except Exception as e:  # noqa: BLE001
+                self.close()
+                raise WeightSyncError(
+                    f"weight sync generation {generation}: sync rank {me} could not join group {name} "
+                    f"(members {list(members)}) within {timeout_s:g}s: {e}") from e
+            self.groups[name] = (pg, members.index(me))
+
+    def pg(self, name: str):
+        return self.groups[name][0]
+
+    def close(self) -> None:
+        """Abort this generation's groups (after a failure their sockets may be half-dead)."""
+        for pg, _ in self.groups.values():
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - best effort; the next generation does not need them
+                pass
+        self.groups = {}
+
+    # -- collectives with deadlines --------------------------------------------------------------
+    def wait(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(
+                f"weight sync generation {self.generation}: sync rank {self.me} failed in {what} "
+                f"(a peer died or missed the {self.timeout_s:g}s sync.timeout_s): {str(e).splitlines()[0][:200]}"
+            ) from e
+
+    def allgather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        pg = self.pg("ctl")
+        out = [torch.empty_like(t) for _ in range(pg.size())]
+        self.wait(pg.allgather([out], [t]), what)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# handshake and verdict
+
+
+def _who(route: Route, p: int) -> str:
+    return f"trainer {p}" if p < route.n_trainers else f"sampler {p - route.n_trainers}"
+
+
+def _first_difference(a: tuple, b: tuple) -> str:
+    (va, na, ba, wa, sa), (vb, nb, bb, wb, sb) = a, b
+    if va != vb:
+        return f"version {vb} vs {va}"
+    if (na, ba, wa) != (nb, bb, wb):
+        return f"plan (trainers, bucket bytes, wire dtype) {(nb, bb, wb)} vs {(na, ba, wa)}: sync configs disagree"
+    for i in range(max(len(sa), len(sb))):
+        x = sa[i] if i < len(sa) else None
+        y = sb[i] if i < len(sb) else None
+        if x != y:
+            name = (y or x)[0]
+            fmt = lambda e: "missing" if e is None else f"{e[0]} {tuple(e[1])} {e[2]}"  # noqa: E731
+            return f"first differing tensor {name!r}: {fmt(y)} vs {fmt(x)}; trainer and sampler model configs disagree"
+    return "layouts differ"
+
+
+def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str) -> None:
+    """Everyone agrees on (version, layout) or everyone raises the same one-line error."""
+    route = fabric.route
+    mine = torch.tensor([version, layout_digest(spec, route.n_trainers, bucket_bytes, wire)], dtype=torch.int64)
+    got = [tuple(int(x) for x in t) for t in fabric.allgather(mine, "the handshake")]
+    if all(g == got[0] for g in got):
+        return
+    detail = pickle.dumps((version, route.n_trainers, bucket_bytes, wire, [(n, tuple(s), d) for n, s, d in spec]))
+    n = torch.tensor([len(detail)], dtype=torch.int64)
+    longest = max(int(x) for x in fabric.allgather(n, "the handshake details"))
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[: len(detail)] = torch.frombuffer(bytearray(detail), dtype=torch.uint8)
+    details = [pickle.loads(bytes(t.numpy())) for t in fabric.allgather(buf, "the handshake details")]
+    p = next(i for i, g in enumerate(got) if g != got[0])
+    raise WeightSyncError(
+        f"weight sync v{version}: {_who(route, p)} (sync rank {p}) disagrees with {_who(route, 0)}: "
+        f"{_first_difference(details[0], details[p])}; nothing sent")
+
+
+def _verdict(fabric: SyncFabric, version: int, bad: tuple[int, int, int]) -> None:
+    got = [tuple(int(x) for x in t) for t in fabric.allgather(torch.tensor(bad, dtype=torch.int64), "the verdict")]
+    for p, (flag, r, k) in enumerate(got):
+        if flag:
+            raise WeightSyncError(
+                f"weight sync v{version}: {_who(fabric.route, p)} got bucket {k} of trainer {r}'s stream with a "
+                f"bad checksum; every sampler keeps its previous version")
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer side
+
+
+def local_shards(model: torch.nn.Module, names) -> dict[str, torch.Tensor]:
+    """This rank's FSDP2 shards (DTensor ``to_local()``; no gather), or whole tensors without FSDP."""
+    sd = model.state_dict()
+    out = {}
+    for n in names:
+        t = sd[n]
+        out[n] = (t.to_local() if hasattr(t, "to_local") else t).detach()
+    return out
+
+
+def _buffer(bufs: list, i: int, nbytes: int) -> torch.Tensor:
+    if bufs[i] is None:
+        bufs[i] = torch.empty(nbytes, dtype=torch.uint8)
+    return bufs[i]
+
+
+def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: ParamSpec, version: int,
+                bucket_bytes: int, wire: str = "auto") -> dict:
+    """Run on every trainer rank (sync rank ``r``): handshake, stream ``r``, its checksums, the verdict.
+
+    At most two messages are in flight; packed buckets alternate between two buffers, so the
+    next bucket is packed while the previous one is on the wire. Direct chunks go from the shard's
+    own memory (a copy only when its dtype is not the wire's or it is not 8-byte aligned).
+    """
     t0 = time.perf_counter()
-    plan = plan_buckets(spec, bucket_bytes)
-    header = torch.tensor([version, len(plan), spec_digest(spec)], dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
-    refused = _verdict(0, group)
-    if refused:
-        raise RuntimeError(
-            f"weight sync v{version}: refused by a sampler ({_refusals(refused, version)}); nothing sent")
-    sent = 0
-    for b in plan:
-        flat = torch.zeros(b.numel, dtype=_DTYPES[b.dtype])  # zeros: alignment gaps are deterministic
-        for name, _shape, off, n in b.entries:
-            flat[off:off + n].copy_(state[name].reshape(-1))
-        dist.broadcast(flat, src=src, group=group)
-        sent += flat.numel() * flat.element_size()
-    return {"bytes": sent, "buckets": len(plan), "seconds": time.perf_counter() - t0}
+    route, r = fabric.route, fabric.me
+    handshake(fabric, version, spec, bucket_bytes, wire)
+    plan = plan_stream(spec, route.n_trainers, r, bucket_bytes, wire)
+    base, flat = {}, {}
+    for name, shape, _dtype in spec:  # element offset of this rank's shard in the full tensor
+        d0 = shape[0] if len(shape) else 1
+        row = _numel(shape[1:]) if len(shape) else 1
+        r0, r1 = shard_rows(d0, route.n_trainers, r)
+        t = shards[name]
+        if t.numel() != (r1 - r0) * row:
+            raise WeightSyncError(
+                f"weight sync v{version}: trainer {r}'s shard of {name!r} has {t.numel()} elements, expected rows "
+                f"[{r0}, {r1}) of {tuple(shape)} (FSDP2 Shard(0)); the trainer is not sharded as the plan assumes")
+        base[name], flat[name] = r0 * row, t.detach().reshape(-1)
+    pg, _ = fabric.groups[f"t{r}"]
+    # message k may use buffer k % 2: its previous user, message k-2, is waited for first
+    bufs: list[torch.Tensor | None] = [None, None]  # allocated on first use: at most 2 x bucket_bytes
+    works, sums, sent, pack_s = [], [], 0, 0.0
+    for k, m in enumerate(plan):
+        if k >= 2:
+            fabric.wait(works[k - 2], f"message {k - 2} of stream {r}")  # <= 2 in flight
+        tp = time.perf_counter()
+        if m.direct:
+            pc = m.pieces[0]
+            lo = pc.start - base[pc.name]
+            msg = flat[pc.name][lo: lo + pc.numel]
+            if msg.dtype != _DTYPES[pc.wire] or msg.data_ptr() % 8:
+                msg = _buffer(bufs, k % 2, bucket_bytes)[: m.nbytes].view(_DTYPES[pc.wire]).copy_(msg)
+        else:
+            msg = _buffer(bufs, k % 2, bucket_bytes)[: m.nbytes]
+            for pc in m.pieces:
+                lo = pc.start - base[pc.name]
+                msg[pc.offset: pc.offset + pc.numel * _DTYPES[pc.wire].itemsize].view(_DTYPES[pc.wire]).copy_(
+                    flat[pc.name][lo: lo + pc.numel])
+        sums.append(_checksum(msg))
+        pack_s += time.perf_counter() - tp
+        works.append(pg.broadcast(msg, 0))
+        sent += m.nbytes
+    for k in range(max(0, len(plan) - 2), len(plan)):
+        fabric.wait(works[k], f"message {k} of stream {r}")
+    if plan:
+        fabric.wait(pg.broadcast(torch.tensor(sums, dtype=torch.int64), 0), f"the checksums of stream {r}")
+    _verdict(fabric, version, (0, 0, 0))
+    return {"bytes": sent, "buckets": len(plan), "seconds": time.perf_counter() - t0, "pack_seconds": pack_s,
+            "version": version, "buffer_bytes": sum(x.numel() for x in bufs if x is not None)}
 
 
-def receive_weights(spec: ParamSpec, expected_version: int, bucket_bytes: int, group, src: int = 0):
-    """Run on each sampler: returns ``(tensors, stats)``; tensors are views into fresh flat buffers."""
+# ---------------------------------------------------------------------------------------------
+# sampler side
+
+
+def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_bytes: int, wire: str = "auto",
+                   on_message=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Run on every sampler: receive all streams into a fresh staging arena (the live version is
+    untouched), forward as relay, verify checksums, agree on the verdict. Returns the new full
+    tensors (views of the arena, 64-byte aligned) only when every sampler verified every message.
+
+    ``on_message(stream, k)`` runs after each received message (tests use it to die mid-sync).
+    """
     t0 = time.perf_counter()
-    plan = plan_buckets(spec, bucket_bytes)
-    header = torch.zeros(3, dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
-    version, n_buckets, digest = (int(x) for x in header)
-    layout_ok = digest == spec_digest(spec) and n_buckets == len(plan)
-    mine = (0 if layout_ok else _LAYOUT) | (0 if version == expected_version else _VERSION)
-    refused = _verdict(mine, group)
-    if not layout_ok:
-        raise RuntimeError(
-            f"weight sync v{version}: sender's parameter layout (digest {digest}, {n_buckets} buckets) differs "
-            f"from this sampler's ({spec_digest(spec)}, {len(plan)} buckets); trainer and sampler model configs disagree"
-        )
-    if version != expected_version:
-        raise RuntimeError(f"weight sync: received version {version}, controller expected {expected_version}")
-    if refused:
-        raise RuntimeError(
-            f"weight sync v{version}: another sampler refused ({_refusals(refused, version)}); nothing sent")
-    out, received = {}, 0
-    for b in plan:
-        flat = torch.empty(b.numel, dtype=_DTYPES[b.dtype])
-        dist.broadcast(flat, src=src, group=group)
-        received += flat.numel() * flat.element_size()
-        for name, shape, off, n in b.entries:
-            out[name] = flat[off:off + n].view(shape)
-    return out, {"bytes": received, "buckets": len(plan), "seconds": time.perf_counter() - t0, "version": version}
+    route, me = fabric.route, fabric.me
+    M = route.n_trainers
+    handshake(fabric, version, spec, bucket_bytes, wire)
+    offs, total = staging_layout(spec)
+    arena = torch.empty(total, dtype=torch.uint8)
+    dest = {n: arena[offs[n]: offs[n] + _numel(s) * _DTYPES[d].itemsize].view(_DTYPES[d]) for n, s, d in spec}
+    inbound = []  # (stream, pg, group, plan, two packed buffers)
+    for r in range(M):
+        g = route.recv_from.get((me, r))
+        plan = plan_stream(spec, M, r, bucket_bytes, wire)
+        if g is None or not plan:
+            continue
+        inbound.append((r, fabric.pg(g), g, plan, [None, None]))
+    fwd = {r: fabric.pg(g) for r, g in route.forwards.get(me, [])}
+    links = {"ici": 0, "dcn": 0}
+    works: dict[tuple[int, int], object] = {}
+    msgs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def target(r, bufs, m):
+        if m.direct:
+            pc = m.pieces[0]
+            return dest[pc.name][pc.start: pc.start + pc.numel]
+        return _buffer(bufs, m.slot, bucket_bytes)[: m.nbytes]
+
+    def post(k):
+        for r, pg, _g, plan, bufs in inbound:
+            if k < len(plan):
+                msgs[(r, k)] = t = target(r, bufs, plan[k])
+                works[(r, k)] = pg.broadcast(t, 0)  # root: the group's first member
+
+    sums = {r: [] for r, *_ in inbound}
+    received, unpack_s = 0, 0.0
+    n_rounds = max((len(p) for _, _, _, p, _ in inbound), default=0)
+    post(0)
+    for k in range(n_rounds):
+        post(k + 1)  # a packed buffer is reused two packed messages later: that one is done by now
+        for r, _pg, g, plan, _bufs in inbound:
+            if k >= len(plan):
+                continue
+            m = plan[k]
+            fabric.wait(works.pop((r, k)), f"message {k} of stream {r}")
+            msg = msgs.pop((r, k))
+            fw = fwd[r].broadcast(msg, 0) if r in fwd else None
+            tu = time.perf_counter()
+            received += m.nbytes
+            links[link_of(route, me, g)] += m.nbytes
+            sums[r].append(_checksum(msg))
+            if not m.direct:
+                for pc in m.pieces:
+                    dest[pc.name][pc.start: pc.start + pc.numel].copy_(
+                        msg[pc.offset: pc.offset + pc.numel * _DTYPES[pc.wire].itemsize].view(_DTYPES[pc.wire]))
+            unpack_s += time.perf_counter() - tu
+            if fw is not None:
+                fabric.wait(fw, f"forwarding message {k} of stream {r}")
+            if on_message is not None:
+                on_message(r, k)
+    bad = (0, 0, 0)
+    for r, pg, _g, plan, _bufs in inbound:
+        want = torch.empty(len(plan), dtype=torch.int64)
+        fabric.wait(pg.broadcast(want, 0), f"the checksums of stream {r}")
+        if r in fwd:
+            fabric.wait(fwd[r].broadcast(want, 0), f"forwarding the checksums of stream {r}")
+        diff = [k for k, (a, b) in enumerate(zip(sums[r], want.tolist())) if a != b]
+        if diff and not bad[0]:
+            bad = (1, r, diff[0])
+    _verdict(fabric, version, bad)
+    out = {n: dest[n].view(tuple(s)) for n, s, _ in spec}
+    return out, {"bytes": received, "buckets": sum(len(p) for _, _, _, p, _ in inbound), "version": version,
+                 "seconds": time.perf_counter() - t0, "unpack_seconds": unpack_s, "link_bytes": links,
+                 "forwarded_streams": sorted(fwd)}
+
+
+# ---------------------------------------------------------------------------------------------
+# into JAX
 
 
 def torch_to_jax(tensors: dict[str, torch.Tensor]) -> dict:
