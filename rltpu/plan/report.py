@@ -1,7 +1,8 @@
 """The plan as Markdown (terminal, PRs) and as one self-contained HTML page (inline SVG, no network).
 
 HTML elements tests and readers can find by id: ``label`` (emulated / sources), ``why``,
-``chip-map`` (each slice's chips coloured by the winner's roles), ``memory-bars`` (per role,
+``chip-map`` (each slice's chips coloured by the winner's roles; ``chip-map-runnable`` for the
+best placement ``rltpu train`` runs, when that is another one), ``memory-bars`` (per role,
 stacked, against HBM), ``timeline`` (one step per candidate), ``ranked``, ``ranks`` (rank -> chip),
 ``route`` (weight-sync hops). A few lines of inline script only set ``data-check`` on <body>
 once those elements exist, so a headless browser can tell the page rendered without errors.
@@ -78,8 +79,8 @@ def markdown(plan: Plan, top: int = 12) -> str:
 
 # -- SVG pieces -----------------------------------------------------------------------------------
 
-def _chip_map(plan: Plan) -> str:
-    win = plan.winner or plan.as_configured
+def _chip_map(plan: Plan, win=None, svg_id: str = "chip-map") -> str:
+    win = win or plan.winner or plan.as_configured
     role_of = {}
     for r in win.ranks:
         for cid in r["chips"]:
@@ -111,7 +112,7 @@ def _chip_map(plan: Plan) -> str:
                      f'<text x="{lx + 14}" y="{legend_y}" font-size="11">{role}</text>')
         lx += 110
     width = max(x0, lx + 20)
-    return (f'<svg id="chip-map" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+    return (f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'role="img" aria-label="chip map">{"".join(parts)}</svg>')
 
 
@@ -219,6 +220,9 @@ def html_page(plan: Plan, top: int = 12) -> str:
         f"{w.prompts} prompts x {w.group} = {w.rows} rows of {w.prompt_len}+{w.new_tokens} tokens.</p>",
         f'<h2>Why</h2><p id="why">{html.escape(plan.why())}</p>',
         f"<h2>Chip map ({html.escape(win.name)})</h2>", _chip_map(plan),
+        *([f"<h3>Best placement rltpu train runs today ({html.escape(plan.best_runnable.name)})</h3>",
+           _chip_map(plan, plan.best_runnable, "chip-map-runnable")]
+          if plan.best_runnable is not None and plan.best_runnable is not win else []),
         "<h2>Memory per chip</h2>", _memory_bars(plan),
         "<h2>One step per candidate</h2>", _timeline(plan),
         "<h2>Ranked candidates</h2>",
