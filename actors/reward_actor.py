@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rltpu.health import Heartbeat
 from rltpu.runtime import ProcessRuntime, ray_identity
 
 
@@ -12,6 +13,7 @@ class RewardActor:
         self.cfg = RunConfig.model_validate(cfg_dict)
         self.rt = ProcessRuntime("reward", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
+        self.hb = Heartbeat("reward", rank)
 
     def identity(self) -> dict:
         return ray_identity()
@@ -19,17 +21,23 @@ class RewardActor:
     def claim(self, chips, identity, emulated):
         return self.rt.claim(chips, identity, emulated)
 
+    def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
+        self.hb.start(monitor, interval_s, incarnation, self.rt.report())
+
     def build(self) -> int:
         from learner.reward_model import RewardModelEngine
 
-        self.engine = RewardModelEngine(self.cfg.reward_model.path, self.rt.backend_info["device"])
+        with self.hb.phase("loading"):
+            self.engine = RewardModelEngine(self.cfg.reward_model.path, self.rt.backend_info["device"])
         return self.engine.vocab_size
 
     def score(self, tokens, position_ids, attention_mask):
-        return self.engine.score(tokens, position_ids, attention_mask)
+        with self.hb.phase("scoring"):
+            return self.engine.score(tokens, position_ids, attention_mask)
 
     def report(self) -> dict:
         return self.rt.report()
 
     def shutdown(self) -> None:
+        self.hb.stop()
         self.rt.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rltpu.health import Heartbeat
 from rltpu.runtime import ProcessRuntime, ray_identity
 
 
@@ -13,6 +14,9 @@ class SamplerActor:
         self.rt = ProcessRuntime("sampler", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
         self.spec = None
+        self.calls = 0
+        self.hb = Heartbeat("sampler", rank, lambda: {"step": self.calls, "version": self.engine.version,
+                                                      "compiles": self.engine.stats.compiles})
 
     def identity(self) -> dict:
         return ray_identity()
@@ -23,6 +27,9 @@ class SamplerActor:
     def init_process_groups(self, *args) -> None:
         self.rt.init_process_groups(*args)
 
+    def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
+        self.hb.start(monitor, interval_s, incarnation, self.rt.report())
+
     def build(self, vocab_size: int, pad_id: int, eos_id: int, spec, cache_dir: str | None = None) -> list:
         """Build the engine and its grid; with ``cache_dir`` a restart loads programs from disk."""
         from rltpu.sampler import SamplerEngine, enable_compile_cache
@@ -31,19 +38,37 @@ class SamplerActor:
             enable_compile_cache(cache_dir)
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
-        self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
-        return self.engine.precompile() if self.cfg.sampler.precompile else []
+        with self.hb.phase("compiling"):
+            self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
+            return self.engine.precompile() if self.cfg.sampler.precompile else []
+
+    def join_sync(self, *args) -> dict:
+        return self.rt.join_sync(*args)
 
     def receive_weights(self, version: int) -> dict:
-        from rltpu.weight_sync import count_zero_copy, receive_weights, torch_to_jax
+        """Stage version ``version`` beside the live one; publish only after every sampler verified
+        every bucket. On any failure the live version stays and the error propagates."""
+        from rltpu.weight_sync import count_zero_copy, receive_staged, torch_to_jax
 
-        tensors, stats = receive_weights(self.spec, version, int(self.cfg.sync.bucket_mb * 2**20), self.rt.sync_group)
-        params = torch_to_jax(tensors)
-        self.engine.set_params(params, version)  # swap only after every bucket arrived
+        with self.hb.phase("syncing"):
+            try:
+                tensors, stats = receive_staged(self.rt.fabric, self.spec, version,
+                                                int(self.cfg.sync.bucket_mb * 2**20), self.cfg.sync.wire_dtype)
+            except Exception:
+                self.rt.fabric.close()
+                raise
+            params = torch_to_jax(tensors)
+            self.engine.set_params(params, version)  # the swap: generation runs between actor calls
         return stats | {"zero_copy": count_zero_copy(tensors, params), "tensors": len(tensors)}
 
+    def weight_version(self) -> int:
+        return self.engine.version if self.engine else -1
+
     def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int) -> dict:
-        return self.engine.generate(prompts, n_per_prompt, seed)
+        with self.hb.phase("sampling"):
+            out = self.engine.generate(prompts, n_per_prompt, seed)
+        self.calls += 1
+        return out
 
     def probe_logits(self, tokens, position_ids, attention_mask):
         return self.engine.probe_logits(tokens, position_ids, attention_mask)
@@ -52,4 +77,5 @@ class SamplerActor:
         return self.rt.report() | {"weight_version": self.engine.version if self.engine else -1}
 
     def shutdown(self) -> None:
+        self.hb.stop()
         self.rt.shutdown()

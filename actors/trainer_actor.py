@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rltpu.health import Heartbeat
 from rltpu.runtime import ProcessRuntime, free_port, ray_identity
 
 
@@ -12,6 +13,7 @@ class TrainerActor:
         self.cfg = RunConfig.model_validate(cfg_dict)
         self.rt = ProcessRuntime("trainer", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
+        self.hb = Heartbeat("trainer", rank, lambda: {"step": self.engine.step, "version": self.engine.step})
 
     def identity(self) -> dict:
         return ray_identity()
@@ -26,6 +28,9 @@ class TrainerActor:
     def init_process_groups(self, *args) -> None:
         self.rt.init_process_groups(*args)
 
+    def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
+        self.hb.start(monitor, interval_s, incarnation, self.rt.report())
+
     def build(self, vocab_size: int) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -33,25 +38,38 @@ class TrainerActor:
 
         device = self.rt.backend_info["device"]  # resolved once, by rltpu.backend
         mesh = DeviceMesh.from_group(self.rt.trainer_group, device)
-        self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
-                                    self.cfg.sampler.temperature, mesh=mesh, device=device, critic_cfg=self.cfg.critic)
+        with self.hb.phase("loading"):
+            self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
+                                        self.cfg.sampler.temperature, mesh=mesh, device=device,
+                                        critic_cfg=self.cfg.critic)
 
     def train_step(self, batch: dict) -> dict:
-        return self.engine.train_step(batch)
+        with self.hb.phase("training"):
+            return self.engine.train_step(batch)
 
     def logprobs(self, batch: dict, reference: bool = False):
-        return self.engine.logprobs(batch, reference)
+        with self.hb.phase("training"):
+            return self.engine.logprobs(batch, reference)
 
     def values(self, batch: dict):
-        return self.engine.values(batch)
+        with self.hb.phase("training"):
+            return self.engine.values(batch)
 
-    def push_weights(self, spec, version: int) -> dict | None:
-        from rltpu.weight_sync import send_weights
+    def join_sync(self, *args) -> dict:
+        return self.rt.join_sync(*args)
 
-        state = self.engine.full_state_dict()  # collective over all trainer ranks
-        if self.rt.rank != 0:
-            return None
-        return send_weights(state, spec, version, int(self.cfg.sync.bucket_mb * 2**20), self.rt.sync_group)
+    def push_weights(self, spec, version: int) -> dict:
+        """Send this rank's own FSDP shards (no all-gather); every trainer rank takes part."""
+        from rltpu.weight_sync import local_shards, send_shards
+
+        shards = local_shards(self.engine.model, [n for n, _, _ in spec])
+        with self.hb.phase("syncing"):
+            try:
+                return send_shards(self.rt.fabric, shards, spec, version, int(self.cfg.sync.bucket_mb * 2**20),
+                                   self.cfg.sync.wire_dtype)
+            except Exception:
+                self.rt.fabric.close()  # this generation is spent; the controller builds the next
+                raise
 
     def probe_logits(self, tokens, position_ids, attention_mask):
         return self.engine.probe_logits(tokens, position_ids, attention_mask)
@@ -60,24 +78,28 @@ class TrainerActor:
         """Collective over trainer ranks; rank 0 writes safetensors + JSON atomically."""
         from learner.checkpoint import save_checkpoint
 
-        state = self.engine.checkpoint_state(rank0_only=True)
-        if state is None:
-            return None
-        meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"],
-                    critic_scheduler=state["critic_scheduler"])
-        return str(save_checkpoint(path, state["model"], state["optimizer"], meta, state["extra"]))
+        with self.hb.phase("checkpointing"):
+            state = self.engine.checkpoint_state(rank0_only=True)
+            if state is None:
+                return None
+            meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"],
+                        critic_scheduler=state["critic_scheduler"])
+            return str(save_checkpoint(path, state["model"], state["optimizer"], meta, state["extra"],
+                                       keep=self.cfg.checkpoint.keep_last))
 
     def load_checkpoint(self, path: str) -> dict:
         from learner.checkpoint import load_checkpoint
 
-        model_sd, optim_sd, meta = load_checkpoint(path)
-        extra = meta.pop("extra", {})
-        self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
-                                          meta.get("rng"), extra, meta.get("critic_scheduler"))
-        return meta
+        with self.hb.phase("loading"):
+            model_sd, optim_sd, meta = load_checkpoint(path)
+            extra = meta.pop("extra", {})
+            self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
+                                              meta.get("rng"), extra, meta.get("critic_scheduler"))
+            return meta
 
     def report(self) -> dict:
         return self.rt.report()
 
     def shutdown(self) -> None:
+        self.hb.stop()
         self.rt.shutdown()

@@ -28,8 +28,10 @@ from learner.reward_model import combine_rewards
 from rltpu.cluster import PlacementError, start_or_join
 from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
-from rltpu.metrics import MetricsWriter
+from rltpu.health import HealthError
+from rltpu.loggers import build_loggers, check_loggers
 from rltpu.rewards import load_reward_fn
+from rltpu.supervisor import Supervision
 from rltpu.rollout import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                            score, split_by_rank, split_prompts, train_layout)
 from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
@@ -42,7 +44,15 @@ def _actor_env(cfg: RunConfig) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
 
 
-class Controller:
+def _actor_classes() -> dict:
+    from actors.reward_actor import RewardActor
+    from actors.sampler_actor import SamplerActor
+    from actors.trainer_actor import TrainerActor
+
+    return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+
+
+class Controller(Supervision):
     def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False):
         self.cfg, self.address, self.resume = cfg, address or cfg.cluster.address, resume
         self.run_dir = cfg.resolved_run_dir
@@ -74,6 +84,8 @@ class Controller:
         self.pg = None
         self.compile_log, self.compile_summary = [], {}
         self._phase = "idle"
+        check_loggers(cfg)  # a configured logger's missing package fails before Ray starts
+        self._init_supervision()  # health monitor, fencing and replacement: rltpu/supervisor.py
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,6 +100,8 @@ class Controller:
         self.slice_names = self._slice_names()
         self._spawn_all()
         self._claim_chips()
+        self._start_health()
+        self._start_dashboard()
         n_t, n_s = len(self.trainers), len(self.samplers)
         master, port = ray.get(self.trainers[0].rendezvous.remote())
         args = lambda r: (master, port, n_t + n_s, r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
@@ -106,8 +120,10 @@ class Controller:
         self._report_compiling(time.perf_counter() - t_compile)
         if self.resume:
             self._load_checkpoint()
+        self._join_sync()
         self._sync(self.version)
         self._write_placement()
+        self.state = "running"
 
     def _slice_names(self) -> list[str] | None:
         """Slice index -> the ``ray.io/tpu-slice-name`` label of its nodes, or None if unlabelled.
@@ -137,13 +153,8 @@ class Controller:
         Chips the plan skips are covered by idle filler bundles so the order still lines up.
         """
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from actors.reward_actor import RewardActor
-        from actors.sampler_actor import SamplerActor
-        from actors.trainer_actor import TrainerActor
-
-        classes = {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+        classes = _actor_classes()
         planned = sorted(((chips[0].global_id, role, rank, chips) for role in classes
                           for rank, chips in enumerate(self.roles.get(role, []))), key=lambda x: x[0])
         bundles, selectors, slots, expected = [], [], [], {}
@@ -175,12 +186,10 @@ class Controller:
                 f"(cluster has {self.cluster_info.get('tpu_chips')}); are other jobs holding chips?"
             ) from None
         actors = {Role.TRAINER: {}, Role.SAMPLER: {}, Role.REWARD: {}}
+        self.pg, self.bundles = pg, {}  # (role, rank) -> (bundle index, chips): a replacement reuses them
         for bundle, role, rank, chips in slots:
-            actors[role][rank] = self._ray.remote(classes[role]).options(
-                name=f"rltpu-{role.value}-{rank}-{os.getpid()}", num_cpus=0, resources={"TPU": len(chips)},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-                runtime_env={"env_vars": _actor_env(self.cfg)},
-            ).remote(rank, self.cfg.to_dict())
+            self.bundles[(role, rank)] = (bundle, chips)
+            actors[role][rank] = self._new_actor(role, rank)
             expected[(role, rank)] = chips
         self.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
         self.samplers = [actors[Role.SAMPLER][r] for r in range(len(actors[Role.SAMPLER]))]
@@ -188,7 +197,18 @@ class Controller:
         self.planned_chips = [expected[(Role.TRAINER, r)] for r in range(len(self.trainers))] + \
                              [expected[(Role.SAMPLER, r)] for r in range(len(self.samplers))] + \
                              [expected[(Role.REWARD, r)] for r in range(len(self.rewarders))]
-        self.pg = pg
+
+    def _new_actor(self, role: Role, rank: int, incarnation: int = 0):
+        """Start ``role`` ``rank``'s process on its placement-group bundle (its chips)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle, chips = self.bundles[(role, rank)]
+        return self._ray.remote(_actor_classes()[role]).options(
+            name=f"rltpu-{role.value}-{rank}-{os.getpid()}" + (f"-{incarnation}" if incarnation else ""),
+            num_cpus=0, resources={"TPU": len(chips)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": _actor_env(self.cfg)},
+        ).remote(rank, self.cfg.to_dict())
 
     def _chips_for(self, ident: dict) -> list:
         """Map Ray's assignment (node, TPU ids) to chip-table entries."""
@@ -266,11 +286,12 @@ class Controller:
         parts = split_by_rank(batch, len(self.trainers))
         refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
         self._phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
+        self._commit_ledger()
         stats = ray.get(refs)
         train_s = time.perf_counter() - t1
         self.version += 1
         self._phase = "sync"
-        sync = self._sync(self.version)
+        sync = self._sync_healing(self.version)  # a dead sampler is replaced and re-joined
         probe = self._probe() if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0 else None
         tokens = max(sum(s["tokens"] for s in stats), 1)
 
@@ -298,7 +319,8 @@ class Controller:
             "sample_program_s": max(o["program_seconds"] for o in outs),
             "sample_host_s": max(o["host_seconds"] for o in outs),
             "padding_frac": padded / max(total, 1),
-            "sync_bytes": sync["bytes"], "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
+            "sync_bytes": sync["bytes"], "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
+            "sync_generation": self.sync_generation, "sampler_weight_versions": list(self.sampler_versions), "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
             "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
         }
 
@@ -314,13 +336,12 @@ class Controller:
         done_rounds, outs_all, sampled = [], [], []
         rounds, have, seen = 0, 0, 0
         while have < n and rounds < (cfg.trainer.max_sample_rounds if cfg.trainer.dynamic_sampling else 1):
-            examples = self.data.next_batch(n)
+            examples = self._draw(n)  # next_batch(n), recording prompt ids for the ledger
             prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
             check_prompt_lengths(prompt_ids, examples, cfg.sampler)
             shards = split_prompts(prompt_ids, len(self.samplers))
             seed = cfg.seed * 1_000_003 + self.step_idx * 131 + rounds * 7
-            outs = self._ray.get([s.generate.remote(sh, G, seed + r)
-                                  for r, (s, sh) in enumerate(zip(self.samplers, shards))])
+            outs = self._generate(shards, G, seed)  # s.generate(shard, G, seed + rank); a failed one is redone
             gen = merge_generations(outs, self.tokenizer.pad_id)
             rewards = self._rewards(gen, examples, G)
             outs_all.append(outs)
@@ -353,13 +374,46 @@ class Controller:
                               "reward_model_mean": float(rm.mean()) if rm is not None else None}
         return combine_rewards(rule, rm, self.cfg.task.reward_weight, self.cfg.reward_model)
 
+    def _join_sync(self) -> None:
+        """Build the next weight-sync generation (standalone gloo groups on trainer 0's store, routed
+        by slice). Called at start and after a failed sync, once dead samplers were replaced."""
+        if not hasattr(self, "_sync_store"):
+            self._sync_store = self._ray.get(self.trainers[0].rendezvous.remote())
+            self.sync_generation = 0
+            self.sampler_versions = [-1] * len(self.samplers)
+        self.sync_generation += 1
+        t_sl = [chips[0].slice for chips in self.roles[Role.TRAINER]]
+        s_sl = [chips[0].slice for chips in self.roles[Role.SAMPLER]]
+        args = lambda p: (*self._sync_store, self.sync_generation, p, t_sl, s_sl, self.cfg.sync.timeout_s)  # noqa: E731
+        self._ray.get([a.join_sync.remote(*args(p)) for p, a in enumerate(self.trainers + self.samplers)])
+
     def _sync(self, version: int) -> dict:
+        """Every trainer streams its shards, every sampler stages and publishes atomically; on any
+        failure every sampler keeps its previous version (recorded in ``sampler_versions``)."""
         t0 = time.perf_counter()
         refs = [t.push_weights.remote(self.spec, version) for t in self.trainers]
         refs += [s.receive_weights.remote(version) for s in self.samplers]
-        out = self._ray.get(refs)
-        sent, received = out[0], out[len(self.trainers):]
-        return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"], "buckets": sent["buckets"],
+        try:
+            out = self._ray.get(refs)
+        except Exception as e:
+            from rltpu.weight_sync import WeightSyncError
+
+            alive = []
+            for i, s in enumerate(self.samplers):
+                try:
+                    self.sampler_versions[i] = int(self._ray.get(s.weight_version.remote(), timeout=30))
+                    alive.append(i)
+                except Exception:  # noqa: BLE001 - a dead sampler: its version is unknown
+                    self.sampler_versions[i] = -1
+            raise WeightSyncError(
+                f"weight sync v{version} failed ({str(e).splitlines()[-1][:300]}); sampler versions now "
+                f"{self.sampler_versions} (alive: {alive}); replace dead samplers and call _join_sync()") from e
+        sent, received = out[: len(self.trainers)], out[len(self.trainers):]
+        self.sampler_versions = [int(r["version"]) for r in received]
+        return {"seconds": time.perf_counter() - t0, "bytes": sum(x["bytes"] for x in sent),
+                "buckets": sum(x["buckets"] for x in sent),
+                "ici_bytes": sum(r["link_bytes"]["ici"] for r in received),
+                "dcn_bytes": sum(r["link_bytes"]["dcn"] for r in received),
                 "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
     def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -392,27 +446,48 @@ class Controller:
         path = str(self.run_dir / "checkpoint")
         return self._ray.get([t.save_checkpoint.remote(path, meta) for t in self.trainers])[0]
 
-    def _load_checkpoint(self) -> None:
-        path = str(self.run_dir / "checkpoint")
-        meta = self._ray.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
+    def _load_checkpoint(self, required: bool = True) -> bool:
+        """The newest checkpoint whose files verify (a corrupt one is skipped with a warning); the
+        ledger voids any step after it."""
+        from learner.checkpoint import latest_valid
+
+        warn = lambda m: print(f"rltpu: warning: {m}", file=sys.stderr, flush=True)  # noqa: E731
+        path = latest_valid(self.run_dir / "checkpoint", max(self.cfg.checkpoint.keep_last, 2), warn)
+        if path is None:
+            if required:
+                raise ConfigError(f"--resume: no valid checkpoint in {self.run_dir / 'checkpoint'}[.prev*]; "
+                                  f"run without --resume")
+            return False
+        meta = self._ray.get([t.load_checkpoint.remote(str(path)) for t in self.trainers])[0]
         self.step_idx, self.version = int(meta["step"]), int(meta["weight_version"])
         self.data.load_state_dict(meta["data"])
+        self.ledger.rollback(self.step_idx, f"resumed from {path.name} at step {self.step_idx}")
+        return True
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> list[dict]:
         cfg = self.cfg
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", cfg.trainer.steps - self.step_idx, cfg.progress)
+        writer = build_loggers(cfg, self.run_dir, cfg.trainer.steps - self.step_idx)
         records, data_before = [], self.data.state_dict()
         try:
-            while self.step_idx < cfg.trainer.steps:
-                data_before, self._phase = self.data.state_dict(), "idle"
-                rec = self.step()
-                self._phase = "idle"
-                records.append(rec)
-                writer.write(rec)
-                if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
-                    self.save_checkpoint()
-            self.save_checkpoint()
+            while self.step_idx < cfg.trainer.steps or not self._saved_final():  # a failed final save rewinds
+                data_before, self._phase, step_before = self.data.state_dict(), "idle", self.step_idx
+                self._drawn = []
+                try:
+                    rec = self.step()
+                    self._phase = "idle"
+                    records.append(rec)
+                    writer.write(rec)
+                    if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
+                        self._phase = "checkpoint"
+                        self.save_checkpoint()
+                        self._phase = "idle"
+                except (HealthError, KeyboardInterrupt):
+                    raise
+                except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
+                    self._phase = "idle"
+                    self._recover(err, data_before, step_before)
+                self._write_trace()
         except KeyboardInterrupt:
             # checkpoint what the trainer really holds: if the interrupted step never reached the
             # trainer, its prompts go back to the data cursor so a resume samples them again
@@ -426,7 +501,8 @@ class Controller:
         writer.close()
         return records
 
-    def shutdown(self) -> None:
+    def shutdown(self, state: str = "finished") -> None:
+        self._stop_supervision(state)
         if self._ray is None or not self._ray.is_initialized():
             return
         for a in self.trainers + self.samplers + self.rewarders:
@@ -440,3 +516,6 @@ class Controller:
 
             remove_placement_group(self.pg)
         self._ray.shutdown()
+        from rltpu.cluster import stop_emulated_nodes
+
+        stop_emulated_nodes()  # the emulated worker nodes this process started, if any

@@ -43,7 +43,7 @@ class ProcessRuntime:
         self.backend_info: dict = {}
         self.global_rank = -1
         self.trainer_group = None
-        self.sync_group = None
+        self.fabric = None  # rltpu.weight_sync.SyncFabric of the current sync generation
 
     def claim(self, chips: list[Chip], identity: dict, emulated: bool) -> dict:
         """Take ownership of ``chips`` (handed by the controller from Ray's assignment)."""
@@ -73,24 +73,60 @@ class ProcessRuntime:
 
     def init_process_groups(self, master: str, port: int, world_size: int, global_rank: int,
                             n_trainers: int, timeout_s: float) -> None:
-        """One world over all trainers and samplers; sub-groups for FSDP and for weight sync.
+        """One world over all trainers and samplers; the FSDP sub-group. Weight sync has its own
+        groups (``join_sync``), so a dead sampler never breaks the trainers' group.
 
         Every rank must create the sub-groups in the same order (``new_group`` is collective).
         """
         if master in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        timeout = timedelta(seconds=timeout_s)
+        store = listening_store(master, port, timeout_s, world_size) if global_rank == 0 else \
+            dist.TCPStore(master, port, world_size, False, timeout)
         dist.init_process_group(
             backend.dist_backend(self.backend_info.get("device", "cpu")),
-            init_method=f"tcp://{master}:{port}", rank=global_rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            store=store, rank=global_rank, world_size=world_size, timeout=timeout,
         )
         self.global_rank = global_rank
         self.trainer_group = dist.new_group(list(range(n_trainers)))
-        self.sync_group = dist.new_group([0, *range(n_trainers, world_size)])
+
+    def join_sync(self, host: str, port: int, generation: int, me: int, trainer_slices: list[int],
+                  sampler_slices: list[int], timeout_s: float) -> dict:
+        """Build weight-sync fabric ``generation`` (standalone gloo groups routed by slice), dropping
+        the previous one; after a failed sync every survivor and any replacement call this again."""
+        from rltpu.weight_sync import SyncFabric, host_store, plan_route
+
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
+        if me == 0:
+            host_store(host, port, timeout_s)
+        route = plan_route(trainer_slices, sampler_slices)
+        self.fabric = SyncFabric(host, port, generation, me, route, timeout_s)
+        return {"generation": generation, "sync_rank": me, "groups": sorted(self.fabric.groups)}
 
     def shutdown(self) -> None:
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_LISTENERS: list[socket.socket] = []  # sockets handed to TCPStore servers, kept open with them
+
+
+def listening_store(host: str, port: int, timeout_s: float, world_size: int | None = None):
+    """A TCPStore server listening on ``host`` only. TCPStore alone binds every interface (``::``);
+    given a socket we bound, it serves on that address, so a loopback job exposes no port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    _LISTENERS.append(sock)
+    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

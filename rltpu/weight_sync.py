@@ -26,6 +26,7 @@ Every wait has ``timeout_s``; a dead peer closes its sockets, so the others fail
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 import time
@@ -262,11 +263,11 @@ _STORES: dict[tuple[str, int], object] = {}  # TCPStore servers hosted by this p
 
 def host_store(host: str, port: int, timeout_s: float):
     """Start (once per process) the TCPStore every generation rendezvouses on; trainer 0 hosts it."""
-    import torch.distributed as dist
-
     key = (host, port)
     if key not in _STORES:
-        _STORES[key] = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        from rltpu.runtime import listening_store  # binds ``host`` only, not every interface
+
+        _STORES[key] = listening_store(host, port, timeout_s)
     return _STORES[key]
 
 
@@ -297,7 +298,7 @@ class SyncFabric:
             prefixed = dist.PrefixStore(f"rltpu-sync/g{generation}/{name}", store)
             try:
                 pg = ProcessGroupGloo(prefixed, members.index(me), len(members), opts)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.close()
                 raise WeightSyncError(
                     f"weight sync generation {generation}: sync rank {me} could not join group {name} "
@@ -310,17 +311,15 @@ class SyncFabric:
     def close(self) -> None:
         """Abort this generation's groups (after a failure their sockets may be half-dead)."""
         for pg, _ in self.groups.values():
-            try:
+            with contextlib.suppress(Exception):  # best effort; the next generation does not need them
                 pg.abort()
-            except Exception:  # noqa: BLE001 - best effort; the next generation does not need them
-                pass
         self.groups = {}
 
     # -- collectives with deadlines --------------------------------------------------------------
     def wait(self, work, what: str) -> None:
         try:
             work.wait(self.timeout)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise WeightSyncError(
                 f"weight sync generation {self.generation}: sync rank {self.me} failed in {what} "
                 f"(a peer died or missed the {self.timeout_s:g}s sync.timeout_s): {str(e).splitlines()[0][:200]}"
@@ -352,7 +351,7 @@ def _first_difference(a: tuple, b: tuple) -> str:
         y = sb[i] if i < len(sb) else None
         if x != y:
             name = (y or x)[0]
-            fmt = lambda e: "missing" if e is None else f"{e[0]} {tuple(e[1])} {e[2]}"  # noqa: E731
+            fmt = lambda e: "missing" if e is None else f"{e[0]} {tuple(e[1])} {e[2]}"
             return f"first differing tensor {name!r}: {fmt(y)} vs {fmt(x)}; trainer and sampler model configs disagree"
     return "layouts differ"
 

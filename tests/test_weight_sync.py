@@ -6,17 +6,26 @@ real FSDP2 trainer against the JAX sampler after sync.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
 import numpy as np
 import pytest
 import torch
+from procs import spawn_ranks
 
 from rltpu.config import ModelConfig
-from rltpu.weight_sync import (ALIGN_BYTES, direct_min_bytes, param_spec, plan_route, plan_stream, route_link_bytes,
-                               shard_rows, spec_digest)
-from procs import spawn_ranks
+from rltpu.weight_sync import (
+    ALIGN_BYTES,
+    direct_min_bytes,
+    param_spec,
+    plan_route,
+    plan_stream,
+    route_link_bytes,
+    shard_rows,
+    spec_digest,
+)
 
 V = 17  # odd: uneven FSDP shards of the embedding and head (9 + 8 rows)
 MCFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +59,7 @@ def test_plan_covers_every_element_once_and_respects_the_bucket(wire):
     for name, shape, dtype in spec:
         ranges = sorted(got[name])
         assert ranges[0][0] == 0 and ranges[-1][1] == int(np.prod(shape))
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name  # no gap, no overlap
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), name  # no gap, no overlap
         row = int(np.prod(shape[1:]))
         for lo, hi, r in ranges:  # a piece never leaves its rank's rows
             r0, r1 = shard_rows(shape[0], M, r)
@@ -129,7 +138,7 @@ def _scenarios():
     spec = param_spec(MCFG, V)
     other = param_spec(MCFG.model_copy(update={"intermediate_size": 48}), V)
     # (version sent, trainer spec, wire, {sampler sync rank: (spec, expected version)}, bucket)
-    same = lambda v, sp=spec: {p: (sp, v) for p in (2, 3, 4)}  # noqa: E731
+    same = lambda v, sp=spec: {p: (sp, v) for p in (2, 3, 4)}
     return [
         ("fp32", 1, spec, "auto", same(1), BUCKET_BYTES),
         ("mixed", 2, _mixed(spec), "auto", same(2, _mixed(spec)), BUCKET_BYTES),
@@ -141,17 +150,30 @@ def _scenarios():
     ]
 
 
+def _reset_peak() -> None:
+    """VmHWM := VmRSS (Linux clear_refs 5), so VmHWM afterwards is the peak of what follows."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _vm(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
     return 0
 
 
 def _worker(rank: int, world: int, port: int, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from rltpu.weight_sync import SyncFabric, WeightSyncError, host_store, receive_staged, send_shards
+    from rltpu.weight_sync import (
+        SyncFabric,
+        WeightSyncError,
+        host_store,
+        receive_staged,
+        send_shards,
+    )
 
     if rank == 0:
         host_store("127.0.0.1", port, PG_TIMEOUT_S)
@@ -162,7 +184,7 @@ def _worker(rank: int, world: int, port: int, q) -> None:
         try:
             if rank < M:
                 shards = _shards(_full_state(tspec, version), rank)
-                open("/proc/self/clear_refs", "w").write("5")  # reset the peak: VmHWM := VmRSS
+                _reset_peak()  # reset the peak: VmHWM := VmRSS
                 rss0 = _vm("VmRSS")
                 stats = send_shards(fab, shards, tspec, version, bucket, wire)
                 events[name] = ("sent", stats | {"peak_extra": _vm("VmHWM") - rss0})
@@ -245,7 +267,13 @@ def test_trainer_peak_extra_memory_is_at_most_two_buckets(two_slice_run):
 def _fault_worker(rank: int, port: int, replacement: bool, ready, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from rltpu.weight_sync import SyncFabric, WeightSyncError, host_store, receive_staged, send_shards
+    from rltpu.weight_sync import (
+        SyncFabric,
+        WeightSyncError,
+        host_store,
+        receive_staged,
+        send_shards,
+    )
 
     spec = param_spec(MCFG, V)
     route = plan_route(SLICES[:M], SLICES[M:])
@@ -340,7 +368,14 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
     torch.set_num_threads(1)
     from rltpu.config import BackendConfig, SamplerConfig, TrainerConfig
     from rltpu.runtime import ProcessRuntime
-    from rltpu.weight_sync import SyncFabric, host_store, local_shards, receive_staged, send_shards, torch_to_jax
+    from rltpu.weight_sync import (
+        SyncFabric,
+        host_store,
+        local_shards,
+        receive_staged,
+        send_shards,
+        torch_to_jax,
+    )
 
     spec = param_spec(MCFG, V)
     pos = np.maximum(np.cumsum(PROBE_MASK, 1) - 1, 0)
