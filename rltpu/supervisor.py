@@ -358,6 +358,21 @@ class Supervision:
             self._drawn = []
         self.state = "running"
 
+    def _saved_final(self) -> bool:
+        """Write the end-of-run checkpoint; False (after recovering) when a trainer failed during it
+        and the job was rewound, so the loop runs the lost steps again."""
+        try:
+            self._phase = "checkpoint"
+            self.save_checkpoint()
+            return True
+        except (HealthError, KeyboardInterrupt):
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._recover(err, self.data.state_dict(), self.step_idx)
+            return self.step_idx >= self.cfg.trainer.steps and self._saved_final()
+        finally:
+            self._phase = "idle"
+
     def _stop_supervision(self, state: str) -> None:
         if self.state != "failed":
             self.state = state
