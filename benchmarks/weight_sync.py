@@ -63,10 +63,17 @@ def _full(i: int, shape, dtype):
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def _reset_peak() -> None:
+    """VmHWM := VmRSS (Linux clear_refs 5), so VmHWM afterwards is the peak of what follows."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _vm(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -75,7 +82,14 @@ def _worker(rank: int, world: int, port: int, sizes, counts, bucket_bytes, repea
     import torch
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    from rltpu.weight_sync import SyncFabric, host_store, plan_route, receive_staged, send_shards, shard_rows
+    from rltpu.weight_sync import (
+        SyncFabric,
+        host_store,
+        plan_route,
+        receive_staged,
+        send_shards,
+        shard_rows,
+    )
 
     torch.set_num_threads(1)
     host = "127.0.0.1"
@@ -112,7 +126,7 @@ def _worker(rank: int, world: int, port: int, sizes, counts, bucket_bytes, repea
             raw_g = group(f"bench/raw/{gen}", [0, *range(M, M + n_s)]) if rank == 0 or rank >= M else None
             ctl = fab.pg("ctl")
 
-            def barrier():
+            def barrier(ctl=ctl):
                 ctl.allreduce([torch.zeros(1)]).wait()
 
             times = {"sharded": [], "raw": [], "gather": []}
@@ -121,7 +135,7 @@ def _worker(rank: int, world: int, port: int, sizes, counts, bucket_bytes, repea
                 # sharded sync
                 barrier()
                 if rank < M:
-                    open("/proc/self/clear_refs", "w").write("5")
+                    _reset_peak()
                     rss0 = _vm("VmRSS")
                 t0 = time.perf_counter()
                 if rank < M:
