@@ -49,7 +49,8 @@ def cmd_train(args) -> int:
     except (ConfigError, ValueError) as err:
         return _fail(str(err))
     end, terminated = "failed", []
-    previous = signal.signal(signal.SIGTERM, lambda s, f: (terminated.append(s), _sigterm(s, f)))
+    controller.on_sigterm = lambda s, f: (terminated.append(s), _sigterm(s, f))  # re-installed after ray.init
+    previous = signal.signal(signal.SIGTERM, controller.on_sigterm)
     try:
         controller.start()
         records = controller.run()

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from rltpu.health import HealthError, HealthMonitor, Watchdog, actor_rows, trace_events, write_health, write_trace
@@ -76,6 +77,9 @@ class Supervision:
     def _start_health(self) -> None:
         """The monitor actor (no CPU, no chips), every actor's heartbeat thread, the watchdog."""
         ray, hc = self._ray, self.cfg.health
+        if getattr(self, "on_sigterm", None) and threading.current_thread() is threading.main_thread():
+            # ray.init replaces SIGTERM's handler (sys.exit): put the CLI's back (stop + checkpoint)
+            signal.signal(signal.SIGTERM, self.on_sigterm)
         if not hc.enabled:
             return
         self.monitor = ray.remote(HealthMonitor).options(
