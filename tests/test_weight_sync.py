@@ -347,7 +347,7 @@ def test_sampler_killed_mid_sync_survivors_keep_old_version_and_replacement_join
     assert sorted(out) == list(range(M + 3)), sorted(out)
     for r in (0, 1, 2, 3):
         what, msg, secs = out[r][0]
-        assert what == "v2-gen1" and msg != "ok" and secs < PG_TIMEOUT_S + 5, (r, msg, secs)
+        assert what == "v2-gen1" and msg != "ok" and secs < PG_TIMEOUT_S, (r, msg, secs)  # within sync.timeout_s
         assert "weight sync" in msg and "\n" not in msg
     for r in (2, 3):  # survivors still serve version 1, exactly
         assert out[r][1] == ("serving", 1, True)
