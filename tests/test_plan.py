@@ -31,11 +31,13 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 # A fixed micro-benchmark result, so cpu-entry tests do not depend on this machine's load.
 FAKE_BENCH = {
-    "machine": "test|x86_64|2|fake|v1", "cores": 2, "measured_at": "fixed", "load_avg_1m": 0.0,
+    "machine": "test|x86_64|2|fake|v2", "cores": 2, "measured_at": "fixed", "load_avg_1m": 0.0,
     "torch_gemm_flops": {"64": 20e9, "128": 25e9, "256": 30e9, "512": 35e9, "1024": 40e9},
     "jax_gemm_flops": {"64": 40e9, "128": 45e9, "256": 47e9, "512": 48e9, "1024": 48e9},
     "torch_op_s": 10e-6, "jax_loop_iter_s": 1e-7, "mem_bw": 10e9,
     "gloo": {"bcast_latency_s": 0.5e-3, "allgather_latency_s": 1.5e-3, "bcast_bw": 1e9},
+    "gloo4": {"bcast_latency_s": 1e-3, "allgather_latency_s": 3e-3, "bcast_bw": 0.5e9},
+    "torch_train_probe_flops": 24e9, "fsdp_train_probe_flops": 12e9, "jax_sample_probe_flops": 23.5e9,
     "ray": {"call_s": 1e-3, "fanout4_s": 5e-3},
 }
 
@@ -237,14 +239,17 @@ def test_cpu_sample_and_sync_seconds_by_hand():
     Nm = m.layers * (m.layer_params - 2 * 128) + m.vocab * 128
     rows, P, T, S = 256, 8, 4, 12
     flops = 2 * Nm * rows * P + 4 * rows * P * P * 128 * 2 + T * (2 * Nm * rows + 4 * rows * S * 128 * 2)
-    elem = rows * S * 2 * (8 * 128 + 4 * 256) * 4
-    want = flops / 45e9 + T * 1e-7 + elem / 10e9 + 1e-3
-    assert c.phases.sample == pytest.approx(want)
+    eff = 23.5e9 / 47e9  # the sampler probe's FLOP/s over the JAX GEMM rate at its width (256)
+    assert c.phases.sample == pytest.approx(flops / (45e9 * eff) + 1e-3)
+    tokens = 256 * S  # one trainer's half of 512 rows
+    train_flops = 6 * Nm * tokens + 12 * tokens * S * 128 * 2
+    assert c.phases.train == pytest.approx(train_flops / (25e9 * 12e9 / 30e9) + 1e-3)  # FSDP probe efficiency
     W = m.params * 4
-    # handshake + verdict all-gathers; each trainer streams its half (every piece < 256 KiB: one
-    # packed bucket) plus a checksum, one-to-all to 2 samplers; a Ray fan-out
-    streams = 2 * 0.5e-3 + max(2 * W / 2, W) / 1e9
-    assert c.phases.sync == pytest.approx(2 * 1.5e-3 + streams + 5e-3)
+    # 4 sync processes > 2 cores: the gloo4 figures. Handshake + verdict all-gathers; each trainer
+    # streams its half (every piece < 256 KiB: one packed bucket) plus a checksum, one-to-all to 2
+    # samplers; a Ray fan-out
+    streams = 2 * 1e-3 + max(2 * W / 2, W) / 0.5e9
+    assert c.phases.sync == pytest.approx(2 * 3e-3 + streams + 5e-3)
     assert "EMULATED" in plan.label()
 
 

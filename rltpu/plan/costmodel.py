@@ -4,9 +4,9 @@ Every number is a closed formula over the model shape, the workload and a ``Hard
 tests can recompute it by hand. Roofline on TPU: decode is bandwidth-bound (weights + KV cache
 streamed once per token), prefill and training are FLOP-bound at a stated efficiency, collectives
 are bytes over the link they cross (ICI inside a slice, DCN between slices) at a stated efficiency.
-On the ``cpu`` entry GEMMs run at the FLOP/s measured at the model's width, and what a TPU would
-fuse away is costed explicitly: unfused elementwise traffic at the measured memory bandwidth,
-per-op eager dispatch, gloo latency per collective, a Ray round trip per phase.
+On the ``cpu`` entry a phase runs at the GEMM FLOP/s measured at the model's width times the
+efficiency the micro-benchmark's probes reached (a width-256 Llama through rltpu's own sampler,
+eager trainer and FSDP2 trainer), plus gloo latency per collective and a Ray round trip per phase.
 
 Memory (bytes per chip), FSDP over ``f`` trainer chips (all of them shard every tensor):
     weights  P*b/f     grads  P*b/f     AdamW states  2*P*b/f (torch keeps them in the param dtype)
@@ -28,13 +28,6 @@ from rltpu.plan.hardware import GiB, Hardware
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PRECISION_PASSES = {"medium": 1, "high": 3, "highest": 6}  # MXU passes for fp32 inputs (hardware md)
 
-# Elementwise traffic per token per layer, in values read+written (stated from the op list of
-# rltpu/models: two RMSNorms, RoPE on q and k, softmax, SiLU*up, two residual adds). Torch eager
-# runs each op separately (~30*H + 8*I); XLA fuses chains into their GEMMs (~8*H + 4*I).
-EAGER_ELEMWISE = (30, 8)
-FUSED_ELEMWISE = (8, 4)
-EAGER_OPS_PER_LAYER = 40  # torch ops per decoder layer forward (backward: 2x)
-EAGER_OPS_FIXED = 60  # embedding, final norm, head, logprobs, loss, clip, AdamW foreach
 HOST_S_PER_ROW = 20e-6  # driver: decode + reward_fn + advantages per completion (stated)
 COMPILE_BASE_S, COMPILE_PER_LAYER_S = 3.0, 1.0  # one XLA program; rough assumption, not calibrated
 
@@ -211,6 +204,18 @@ def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, 
 # Time
 
 
+def cpu_efficiency(hw: Hardware, kind: str) -> float:
+    """Fraction of the GEMM rate a whole program reached in the micro-benchmark's probes (a width-
+    256 Llama through rltpu's own code): the compiled sampler, an eager training step, or the same
+    step as 2 FSDP2 ranks. Capped at 1."""
+    cpu = hw.cpu
+    probe, framework = {"sample": ("jax_sample_probe_flops", "jax"), "train": ("torch_train_probe_flops", "torch"),
+                        "train_fsdp": ("fsdp_train_probe_flops", "torch")}[kind]
+    from rltpu.plan.microbench import PROBE
+
+    return min(1.0, cpu[probe] / hw.gemm_flops(PROBE["hidden_size"], framework))
+
+
 def matmul_passes(hw: Hardware, m: ModelShape, w: Workload, training: bool = False) -> int:
     """fp32 inputs on TPU cost 1/3/6 MXU passes (medium/high/highest); bf16 (incl. the trainer's
     bf16 mixed precision) and the CPU cost 1."""
@@ -230,12 +235,10 @@ def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int)
     f_prefill = 2 * m.matmul_params * rows * P + 4 * rows * P * P * H * L
     f_step = 2 * m.matmul_params * rows + 4 * rows * S * H * L
     out: dict[str, float] = {}
-    if hw.emulated:
-        flops = hw.gemm_flops(H, "jax")
-        traffic = rows * S * L * (FUSED_ELEMWISE[0] * H + FUSED_ELEMWISE[1] * m.inter) * 4
-        out["prefill"] = f_prefill / flops
-        out["decode"] = T * f_step / flops + T * hw.cpu["jax_loop_iter_s"]
-        out["elementwise"] = traffic / hw.hbm_bw
+    if hw.emulated:  # the GEMM rate at this width x the efficiency the sampler probe reached
+        rate = hw.gemm_flops(H, "jax") * cpu_efficiency(hw, "sample")
+        out["prefill"] = f_prefill / rate
+        out["decode"] = T * f_step / rate
         out["dispatch"] = hw.cpu["ray"]["call_s"]
         return out
     peak = hw.peak_flops * tp / passes
@@ -267,17 +270,10 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb + sb) * m.params * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
     opt_bytes = w.ppo_epochs * 7 * m.params * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
-    if hw.emulated:
-        cpu = hw.cpu
-        out["gemm"] = flops / hw.gemm_flops(H, "torch")
-        e, i = EAGER_ELEMWISE
-        out["elementwise"] = w.ppo_epochs * 3 * tokens * (L * (e * H + i * m.inter) + 8 * m.vocab) * 4 / hw.hbm_bw
-        out["optimizer"] = opt_bytes / hw.hbm_bw
-        n_ops = w.ppo_epochs * 3 * (EAGER_OPS_PER_LAYER * L + EAGER_OPS_FIXED)
-        out["dispatch"] = n_ops * cpu["torch_op_s"] + cpu["ray"]["call_s"]
-        if fsdp > 1:  # gloo blocks: nothing overlaps; 3 collectives per FSDP unit (layers + root) + grad norm
-            n_coll = w.ppo_epochs * (n_micro * 3 * (L + 1) + 2)
-            out["fsdp_comm"] = n_coll * cpu["gloo"]["allgather_latency_s"] + fsdp_bytes / cpu["gloo"]["bcast_bw"]
+    if hw.emulated:  # the GEMM rate at this width x the efficiency the (FSDP) training probe reached
+        rate = hw.gemm_flops(H, "torch") * cpu_efficiency(hw, "train_fsdp" if fsdp > 1 else "train")
+        out["compute"] = flops / rate  # incl. elementwise, eager dispatch, loss, AdamW, FSDP collectives
+        out["dispatch"] = hw.cpu["ray"]["call_s"]
         return out
     passes = matmul_passes(hw, m, w, training=True)
     compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)
@@ -328,7 +324,8 @@ def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slic
                             W * (f - 1) / f, W * (f - 1) / f / bw + lat))
         return hops
     if hw.emulated:
-        g = hw.cpu["gloo"]
+        crowded = f + n_samplers > hw.cpu["cores"] and "gloo4" in hw.cpu
+        g = hw.cpu["gloo4" if crowded else "gloo"]  # more processes than cores: measured with 4 on the cores
         msgs = stream_messages(m, f, w.bucket_mb)
         payload = max(n_samplers * shard, W) / g["bcast_bw"]  # a sender's fan-out, or a receiver's W
         hops.append(Hop("handshake + verdict all-gathers", "loopback", "all", "all", 0.0,

@@ -14,7 +14,11 @@ thread), so everything here runs single-threaded on one pinned core:
   ``while_loop`` (the sampler's decode loop pays it every token).
 * gloo on loopback: 2 processes on 2 cores; broadcast latency (8 bytes), broadcast bandwidth
   (16 MiB), all-gather latency (8 bytes).
+* gloo again with 4 processes on the 2 cores (a sync group larger than the core count).
 * Ray: the round trip of a no-op actor call, alone and fanned out to 4 actors.
+* probes: one eager torch training step and one compiled sampler call of a small Llama (width
+  256) through rltpu's own code; their FLOP/s over the GEMM rate at that width is the efficiency
+  whole programs reach here.
 
 Nothing here reads a run's metrics: the figures describe the machine, not the quickstart.
 Results are cached per machine (``RLTPU_CACHE_DIR`` or ``~/.cache/rltpu``); the machine is shared,
@@ -34,7 +38,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 1
+BENCH_VERSION = 2
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -101,6 +105,127 @@ def bench_torch_op_overhead() -> float:
     return _best(lambda: x.mul(1.0001), min_s=0.02)
 
 
+# The probes: a small Llama (width 256, not the quickstart's 128) through rltpu's own code, to
+# measure what fraction of the GEMM rate whole programs reach here (elementwise work, eager
+# dispatch, attention, sampling, the optimizer). The cost model applies these efficiencies to
+# the GEMM rate at the planned model's width.
+PROBE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+PROBE_VOCAB, PROBE_ROWS, PROBE_PROMPT, PROBE_NEW = 64, 64, 16, 8
+
+
+def _probe_flops(train: bool) -> float:
+    from rltpu.config import ModelConfig
+    from rltpu.plan.costmodel import ModelShape
+
+    m = ModelShape.from_config(ModelConfig(**PROBE), PROBE_VOCAB)
+    H, L, R = m.hidden, m.layers, PROBE_ROWS
+    if train:
+        S = PROBE_PROMPT + PROBE_NEW
+        tokens = R * S
+        return 6 * m.matmul_params * tokens + 12 * tokens * S * H * L
+    P, T, S = PROBE_PROMPT, PROBE_NEW, PROBE_PROMPT + PROBE_NEW
+    return 2 * m.matmul_params * R * P + 4 * R * P * P * H * L + T * (2 * m.matmul_params * R + 4 * R * S * H * L)
+
+
+_FSDP_PROBE = r"""
+import os, sys, json
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, {rank % os.cpu_count()})
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from learner.fsdp import parallelize_llama
+from rltpu.plan.microbench import bench_torch_train_probe
+mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+res = bench_torch_train_probe(wrap=lambda m: parallelize_llama(m, mesh), barrier=dist.barrier)
+if rank == 0: print(json.dumps(res))
+dist.destroy_process_group()
+"""
+
+
+def bench_fsdp_train_probe() -> float:
+    """The training probe as 2 FSDP2 ranks over gloo, one pinned core each (how trainers run
+    here): adds the per-layer all-gathers, reduce-scatters and DTensor bookkeeping."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, "-c", _FSDP_PROBE, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    if procs[0].returncode:
+        raise RuntimeError(f"FSDP probe failed: {outs[0][1].strip().splitlines()[-1:]}")
+    return float(json.loads(outs[0][0].strip().splitlines()[-1]))
+
+
+def bench_torch_train_probe(wrap=None, barrier=None) -> float:
+    """FLOP/s of one eager training step (forward, log-softmax loss, backward, clip, AdamW)."""
+    import torch
+
+    from rltpu.config import ModelConfig
+    from rltpu.models.torch_llama import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(**PROBE), PROBE_VOCAB)
+    if wrap is not None:
+        model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    S = PROBE_PROMPT + PROBE_NEW
+    ids = torch.randint(3, PROBE_VOCAB, (PROBE_ROWS, S))
+    pos = torch.arange(S).expand(PROBE_ROWS, S)
+    mask = torch.ones(PROBE_ROWS, S, dtype=torch.long)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logp = torch.log_softmax(model(ids, pos, mask)[:, :-1], -1)
+        loss = -logp.gather(-1, ids[:, 1:, None]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    if barrier is None:
+        return _probe_flops(train=True) / _best(step, reps=5, min_s=0.2)
+    step()  # ranks in lock-step: a fixed number of steps each, best of 5 rounds
+    best = float("inf")
+    for _ in range(5):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        best = min(best, (time.perf_counter() - t0) / 3)
+    return _probe_flops(train=True) / best
+
+
+def bench_jax_sample_probe() -> float:
+    """FLOP/s of rltpu's compiled sampler program (prefill + decode loop) on the probe model."""
+    from rltpu.config import ModelConfig, SamplerConfig
+    from rltpu.models import param_shapes
+    from rltpu.models.jax_llama import params_from_torch
+    from rltpu.models.torch_llama import init_state_dict
+    from rltpu.sampler import SamplerEngine
+
+    mcfg = ModelConfig(**PROBE)
+    G = 8
+    scfg = SamplerConfig(group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=(PROBE_ROWS,),
+                         prompt_buckets=(PROBE_PROMPT,), compile_cache=False)
+    shapes = {k: (v, "float32") for k, v in param_shapes(mcfg, PROBE_VOCAB).items()}
+    eng = SamplerEngine(mcfg, scfg, PROBE_VOCAB, 0, 2, shapes)
+    eng.set_params(params_from_torch(init_state_dict(mcfg, PROBE_VOCAB, 0)), 0)
+    prompts = [[1, *range(3, 3 + PROBE_PROMPT - 1)] for _ in range(PROBE_ROWS // G)]
+    eng.generate(prompts, G, 0)  # compile
+    best = float("inf")
+    for i in range(7):
+        out = eng.generate(prompts, G, i + 1)
+        full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
+        best = min(best, out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
+    return _probe_flops(train=False) / best
+
+
 def bench_mem_bw() -> float:
     import numpy as np
 
@@ -117,7 +242,8 @@ os.sched_setaffinity(0, {rank % os.cpu_count()})
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+world = int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 def timeit(fn, n):
     fn(); dist.barrier()
     t0 = time.perf_counter()
@@ -125,7 +251,7 @@ def timeit(fn, n):
     return (time.perf_counter() - t0) / n
 small = torch.zeros(2, dtype=torch.float32)
 big = torch.zeros(4 * 2**20, dtype=torch.float32)  # 16 MiB
-outs = [torch.zeros(2) for _ in range(2)]
+outs = [torch.zeros(2) for _ in range(world)]
 res = {
   "bcast_latency_s": timeit(lambda: dist.broadcast(small, src=0), 200),
   "allgather_latency_s": timeit(lambda: dist.all_gather(outs, small), 200),
@@ -136,12 +262,14 @@ dist.destroy_process_group()
 """
 
 
-def bench_gloo() -> dict[str, float]:
+def bench_gloo(world: int = 2) -> dict[str, float]:
+    """``world`` processes pinned round-robin to the cores (4 on 2 cores: the sync group of the
+    quickstart shares cores, and gloo latency grows when processes wait for a core)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), str(port), str(world)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=120) for p in procs]
     if procs[0].returncode:
         raise RuntimeError(f"gloo micro-benchmark failed: {outs[0][1].strip().splitlines()[-1:]}")
@@ -200,7 +328,11 @@ def run_all() -> dict:
         "torch_op_s": bench_torch_op_overhead(),
         "jax_loop_iter_s": bench_jax_loop_overhead(),
         "mem_bw": bench_mem_bw(),
-        "gloo": bench_gloo(),
+        "gloo": bench_gloo(2),
+        "gloo4": bench_gloo(4),
+        "torch_train_probe_flops": bench_torch_train_probe(),
+        "fsdp_train_probe_flops": bench_fsdp_train_probe(),
+        "jax_sample_probe_flops": bench_jax_sample_probe(),
         "ray": bench_ray_call(),
     }
     res["bench_seconds"] = time.perf_counter() - t0
