@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rltpu.config import ConfigError
 from rltpu.topology import GENERATION_FACTS, GenerationFacts
