@@ -204,15 +204,20 @@ def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, 
 # Time
 
 
-def cpu_efficiency(hw: Hardware, kind: str) -> float:
-    """Fraction of the GEMM rate a whole program reached in the micro-benchmark's probes (a width-
-    256 Llama through rltpu's own code): the compiled sampler, an eager training step, or the same
-    step as 2 FSDP2 ranks. Capped at 1."""
+def cpu_efficiency(hw: Hardware, kind: str, width: int | None = None) -> float:
+    """Fraction of the GEMM rate a whole program reached in the micro-benchmark's probes (a small
+    Llama through rltpu's own code): the compiled sampler, an eager training step, or the same
+    step as 2 FSDP2 ranks. The sampler was probed at several widths: the one nearest ``width``
+    (log scale) is used. Capped at 1."""
     cpu = hw.cpu
     probe, framework = {"sample": ("jax_sample_probe_flops", "jax"), "train": ("torch_train_probe_flops", "torch"),
                         "train_fsdp": ("fsdp_train_probe_flops", "torch")}[kind]
     from rltpu.plan.microbench import PROBE
 
+    by_width = cpu.get(probe + "_by_width") if width else None
+    if by_width:
+        w = min(by_width, key=lambda k: abs(math.log(int(k) / width)))
+        return min(1.0, by_width[w] / hw.gemm_flops(int(w), framework))
     return min(1.0, cpu[probe] / hw.gemm_flops(PROBE["hidden_size"], framework))
 
 
@@ -236,7 +241,7 @@ def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int)
     f_step = 2 * m.matmul_params * rows + 4 * rows * S * H * L
     out: dict[str, float] = {}
     if hw.emulated:  # the GEMM rate at this width x the efficiency the sampler probe reached
-        rate = hw.gemm_flops(H, "jax") * cpu_efficiency(hw, "sample")
+        rate = hw.gemm_flops(H, "jax") * cpu_efficiency(hw, "sample", H)
         out["prefill"] = f_prefill / rate
         out["decode"] = T * f_step / rate
         out["dispatch"] = hw.cpu["ray"]["call_s"]

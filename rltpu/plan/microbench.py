@@ -38,7 +38,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 2
+BENCH_VERSION = 3
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -114,11 +114,11 @@ PROBE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 PROBE_VOCAB, PROBE_ROWS, PROBE_PROMPT, PROBE_NEW = 64, 64, 16, 8
 
 
-def _probe_flops(train: bool) -> float:
+def _probe_flops(train: bool, width: int = PROBE["hidden_size"]) -> float:
     from rltpu.config import ModelConfig
     from rltpu.plan.costmodel import ModelShape
 
-    m = ModelShape.from_config(ModelConfig(**PROBE), PROBE_VOCAB)
+    m = ModelShape.from_config(ModelConfig(**probe_dims(width)), PROBE_VOCAB)
     H, L, R = m.hidden, m.layers, PROBE_ROWS
     if train:
         S = PROBE_PROMPT + PROBE_NEW
@@ -201,7 +201,24 @@ def bench_torch_train_probe(wrap=None, barrier=None) -> float:
     return _probe_flops(train=True) / best
 
 
-def bench_jax_sample_probe() -> float:
+SAMPLE_PROBE_WIDTHS = (128, 256, 512)
+
+
+def probe_dims(width: int) -> dict:
+    """The probe Llama at another width (2 layers, intermediate 2x, 64-wide heads, GQA 2:1)."""
+    heads = max(2, width // 64)
+    return dict(PROBE, hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 2))
+
+
+def bench_jax_sample_probes() -> dict[str, float]:
+    """The sampler probe at several widths: the compiled decode loop's efficiency falls with width
+    on a CPU faster than a GEMM's does (fixed per-step work weighs more), so the cost model reads
+    it at the planned model's width."""
+    return {str(w): bench_jax_sample_probe(w) for w in SAMPLE_PROBE_WIDTHS}
+
+
+def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
     """FLOP/s of rltpu's compiled sampler program (prefill + decode loop) on the probe model."""
     from rltpu.config import ModelConfig, SamplerConfig
     from rltpu.models import param_shapes
@@ -209,7 +226,7 @@ def bench_jax_sample_probe() -> float:
     from rltpu.models.torch_llama import init_state_dict
     from rltpu.sampler import SamplerEngine
 
-    mcfg = ModelConfig(**PROBE)
+    mcfg = ModelConfig(**probe_dims(width))
     G = 8
     scfg = SamplerConfig(group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=(PROBE_ROWS,),
                          prompt_buckets=(PROBE_PROMPT,), compile_cache=False)
@@ -223,7 +240,7 @@ def bench_jax_sample_probe() -> float:
         out = eng.generate(prompts, G, i + 1)
         full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
         best = min(best, out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
-    return _probe_flops(train=False) / best
+    return _probe_flops(train=False, width=width) / best
 
 
 def bench_mem_bw() -> float:
@@ -333,6 +350,7 @@ def run_all() -> dict:
         "torch_train_probe_flops": bench_torch_train_probe(),
         "fsdp_train_probe_flops": bench_fsdp_train_probe(),
         "jax_sample_probe_flops": bench_jax_sample_probe(),
+        "jax_sample_probe_flops_by_width": bench_jax_sample_probes(),
         "ray": bench_ray_call(),
     }
     res["bench_seconds"] = time.perf_counter() - t0
