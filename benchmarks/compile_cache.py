@@ -1,6 +1,6 @@
 """Restarted sampler, cold vs warm persistent compilation cache: time to the first sample.
 
-    .venv/bin/python benchmarks/compile_cache.py [CONFIG] [--repeats 3]
+    .venv/bin/python benchmarks/compile_cache.py [CONFIG] [--repeats 3] [--set sampler.prompt_buckets=[8,16] ...]
 
 Each measurement is a fresh process (what a restarted actor is): import, build the engine for the
 config's model and sampler grid, precompile, load weights, generate once. The first process
@@ -34,7 +34,7 @@ from rltpu.weight_sync import param_spec
 from rltpu.models import jax_llama
 from rltpu.models.torch_llama import init_state_dict
 enable_compile_cache(sys.argv[2])
-cfg = load_config(sys.argv[1])
+cfg = load_config(sys.argv[1], json.loads(sys.argv[4]))
 tok = CharTokenizer()
 spec = param_spec(cfg.model, tok.vocab_size)
 weights = init_state_dict(cfg.model, tok.vocab_size, 0)  # in a restart these arrive by weight sync
@@ -51,9 +51,10 @@ print(json.dumps({"first_sample_s": t_end - t_start, "engine_to_sample_s": t_end
 """
 
 
-def run_child(config: str, cache: str) -> dict:
+def run_child(config: str, cache: str, overrides: list[str]) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, "-c", CHILD, config, cache, repr(time.time())], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-c", CHILD, config, cache, repr(time.time()), json.dumps(overrides)],
+                         cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     if res.returncode:
         raise SystemExit(res.stderr[-3000:])
@@ -64,15 +65,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "quickstart.yaml"))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", nargs="*", default=[], help="dotted config overrides (e.g. a larger sampler grid)")
     args = ap.parse_args()
     cold, warm = [], []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="rltpu-jax-cache-") as cache:
-            cold.append(run_child(args.config, cache))
-            warm.append(run_child(args.config, cache))
+            cold.append(run_child(args.config, cache, args.set))
+            warm.append(run_child(args.config, cache, args.set))
     med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
     print(json.dumps({
-        "config": args.config, "repeats": args.repeats, "programs": cold[0]["programs"],
+        "config": args.config, "overrides": args.set, "repeats": args.repeats, "programs": cold[0]["programs"],
         "cold": {"first_sample_s": med(cold, "first_sample_s"), "engine_to_sample_s": med(cold, "engine_to_sample_s"),
                  "compile_s": med(cold, "compile_s"), "cache_hits": cold[0]["cache_hits"]},
         "warm": {"first_sample_s": med(warm, "first_sample_s"), "engine_to_sample_s": med(warm, "engine_to_sample_s"),
