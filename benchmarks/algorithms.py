@@ -25,7 +25,8 @@ PRESETS = {
     "grpo": [],
     "dapo": ["trainer.clip_eps_high=0.28", "trainer.dynamic_sampling=true"],
     "drgrpo": ["trainer.algorithm=drgrpo"],
-    "rloo": ["trainer.algorithm=rloo"],
+    # RLOO's advantages are not divided by the group std, so its steps are smaller: a higher lr
+    "rloo": ["trainer.algorithm=rloo", "trainer.lr=0.002"],
     "reinforce_pp": ["trainer.algorithm=reinforce_pp"],
     "reinforce_pp_baseline": ["trainer.algorithm=reinforce_pp_baseline"],
     "ppo": ["trainer.algorithm=ppo", "critic.lr=0.001"],
