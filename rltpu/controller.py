@@ -267,18 +267,16 @@ class Controller(Supervision):
         gen, rewards, outs, ds = self._sample_scored(G)
         sample_s = time.perf_counter() - t0
         tc = cfg.trainer
-        kl = None
-        if tc.kl_in_reward:  # the reference's logprobs first: the penalty shapes the advantages
+        kl = values = None
+        if tc.kl_in_reward or tc.algorithm == "ppo":  # passes over the rollout before the advantages
             layout = train_layout(gen)
-            parts = split_by_rank(layout | {"advantages": np.zeros(len(rewards))}, len(self.trainers))
-            ref = np.concatenate(ray.get([t.logprobs.remote(b, True) for t, b in zip(self.trainers, parts)]))
-            kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
-            kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
-        values = None
-        if tc.algorithm == "ppo":  # the critic's values first: GAE needs them
-            layout = train_layout(gen)
-            parts = split_by_rank(layout | {"advantages": np.zeros(len(rewards))}, len(self.trainers))
-            values = np.concatenate(ray.get([t.values.remote(b) for t, b in zip(self.trainers, parts)]))
+            parts = split_by_rank(layout, len(self.trainers))
+            if tc.kl_in_reward:  # the reference's logprobs: the penalty shapes the advantages
+                ref = np.concatenate(ray.get([t.logprobs.remote(b, True) for t, b in zip(self.trainers, parts)]))
+                kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
+                kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
+            if tc.algorithm == "ppo":  # the critic's values: GAE needs them
+                values = np.concatenate(ray.get([t.values.remote(b) for t, b in zip(self.trainers, parts)]))
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
                                   kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
                                   lam=cfg.critic.gae_lambda if cfg.critic else 1.0)

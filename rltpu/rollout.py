@@ -113,7 +113,7 @@ def fill_dynamic_batch(rounds: list[tuple[dict, np.ndarray]], n: int, group_size
 
 def split_by_rank(batch: dict, n: int) -> list[dict]:
     """Contiguous row shards, one per trainer rank; each carries the global loss-token and row counts."""
-    rows = len(batch["advantages"])
+    rows = len(batch["tokens"])
     if rows % n:
         raise ValueError(f"{rows} rows cannot be split evenly over {n} trainer ranks")
     k = rows // n
