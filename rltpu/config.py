@@ -60,8 +60,17 @@ class ClusterConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    """How many chips each role gets; one actor (one process) per ``chips_per_*`` chips."""
+    """How many chips each role gets; one actor (one process) per ``chips_per_*`` chips.
 
+    ``mode``: ``disaggregated`` gives samplers and trainers disjoint chips (weights go over the
+    sync fabric); ``colocated`` runs both engines in one process per trainer chip and alternates
+    phases (weights pass in-process; both footprints stay resident: TPUs have no sleep mode).
+    ``staleness``: how many weight versions a rollout may lag the policy it trains (0 = on-policy;
+    s > 0 lets samplers generate step k+1..k+s while the trainers train step k).
+    """
+
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    staleness: int = Field(0, ge=0, le=8)
     sampler_chips: int = Field(2, ge=1)
     trainer_chips: int = Field(2, ge=1)
     chips_per_sampler: Literal[1, 2, 4, 8] = 1
@@ -75,6 +84,17 @@ class PlacementConfig(_Section):
 
     @model_validator(mode="after")
     def _divisible(self) -> "PlacementConfig":
+        if self.mode == "colocated":
+            if self.staleness:
+                raise ValueError(f"staleness={self.staleness} needs samplers on their own chips: a colocated process "
+                                 f"alternates sampling and training; use mode=disaggregated or staleness=0")
+            if (self.sampler_chips, self.chips_per_sampler) != (self.trainer_chips, self.chips_per_trainer):
+                raise ValueError(f"mode=colocated runs a sampler in every trainer process: set sampler_chips="
+                                 f"trainer_chips (now {self.sampler_chips} vs {self.trainer_chips}) and "
+                                 f"chips_per_sampler=chips_per_trainer")
+            if self.sampler_chip_ids is not None:
+                raise ValueError("mode=colocated: samplers live on the trainer chips; drop sampler_chip_ids "
+                                 "(pin trainer_chip_ids instead)")
         for role in ("sampler", "trainer", "reward"):
             chips, per = getattr(self, f"{role}_chips"), getattr(self, f"chips_per_{role}")
             if chips % per:
@@ -311,6 +331,11 @@ class TrainerConfig(_Section):
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, sample more to refill the batch
     max_sample_rounds: int = Field(4, ge=1)  # dynamic sampling: sampler calls per step at most
     recompute_old_logprobs: bool = False  # trust the trainer, not the sampler, for the ratio's old logp
+    # stale rollouts (placement.staleness > 0): "tis" = truncated importance sampling. The PPO ratio is
+    # taken against the trainer's recomputed logprobs and each token is weighted by
+    # min(pi_old / pi_behaviour, tis_cap), pi_behaviour being the sampler's (older) weights
+    off_policy_correction: Literal["none", "tis"] = "none"
+    tis_cap: float = Field(2.0, ge=1.0)
     # efficiency (learner/microbatch.py, learner/fsdp.py)
     micro_batch_tokens: int = Field(0, ge=0)  # padded tokens per micro-batch (grad accumulation); 0 = one pass
     length_grouping: bool = True  # micro-batches of similar lengths, padding columns cut
@@ -464,6 +489,9 @@ class RunConfig(_Section):
         if self.critic is not None and self.trainer.algorithm != "ppo":
             raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
                              f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")
+        if self.placement.staleness and self.trainer.dynamic_sampling:
+            raise ValueError("placement.staleness > 0 with trainer.dynamic_sampling is not supported (a refill "
+                             "round needs the step's own rewards); set one of them off")
         rows = self.trainer.prompts_per_step * self.sampler.group_size
         n_samplers = self.placement.sampler_chips // self.placement.chips_per_sampler
         n_trainers = self.placement.trainer_chips // self.placement.chips_per_trainer

@@ -239,15 +239,17 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
     With power-of-two actor sizes this never fails when the total fits. Raises ConfigError.
     """
     reward = placement.reward_chips
-    want = placement.sampler_chips + placement.trainer_chips + reward
+    # colocated: the samplers run inside the trainer processes, on the trainers' chips
+    samplers = 0 if getattr(placement, "mode", "disaggregated") == "colocated" else placement.sampler_chips
+    want = samplers + placement.trainer_chips + reward
     if want > table.num_chips:
         raise ConfigError(
-            f"placement asks for {want} chips (sampler_chips={placement.sampler_chips} + "
+            f"placement asks for {want} chips (sampler_chips={samplers} + "
             f"trainer_chips={placement.trainer_chips}{f' + reward_chips={reward}' if reward else ''}) but cluster "
             f"{table.describe()} has {table.num_chips} chips; lower placement.* or enlarge cluster.topology/slices"
         )
     plan = [
-        (Role.SAMPLER, placement.sampler_chips, placement.chips_per_sampler),
+        (Role.SAMPLER, samplers, placement.chips_per_sampler),
         (Role.TRAINER, placement.trainer_chips, placement.chips_per_trainer),
     ]
     if reward:
