@@ -214,6 +214,18 @@ class LossOut:
     clipped: float  # number of tokens whose ratio was clipped
     tokens: float  # number of loss tokens on this rank
     entropy_sum: float = 0.0  # sum over tokens of the policy entropy
+    is_weight_sum: float = 0.0  # off-policy correction: sum over tokens of the (truncated) IS weight
+    is_truncated: float = 0.0  # tokens whose IS weight hit the cap
+
+
+def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(pi_old / pi_behaviour, cap)`` per token (no gradient).
+
+    A stale rollout was drawn by an older policy (the sampler's weights, ``behaviour_logp``);
+    the PPO ratio is taken against the trainer's current weights (``old_logp``) and this weight
+    corrects for the difference. Truncation bounds the variance a rare token could add.
+    """
+    return torch.exp(old_logp.float() - behaviour_logp.float()).clamp(max=cap).detach()
 
 
 def policy_loss(
@@ -231,6 +243,8 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
+    is_cap: float | None = None,
 ) -> LossOut:
     """PPO-style clipped surrogate with DAPO's asymmetric clip and an optional dual clip.
 
@@ -238,6 +252,7 @@ def policy_loss(
     lets rare tokens gain probability); with ``dual_clip_c`` the loss of a negative-advantage token
     is capped at ``-c * A``. Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy``:
     (B, T) over completion tokens; ``advantages``: (B, T) or (B,) (broadcast along T).
+    ``is_weights`` (B, T) (``truncated_is_weights``) multiply each token's clipped surrogate.
     """
     clip_high = clip_low if clip_high is None else clip_high
     mask = mask.float()
@@ -249,6 +264,12 @@ def policy_loss(
     pg = -torch.minimum(surr1, surr2)  # (B, T)
     if dual_clip_c is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -dual_clip_c * adv), pg)
+    is_sum = is_trunc = 0.0
+    if is_weights is not None:
+        pg = pg * is_weights
+        is_sum = float((is_weights * mask).sum())
+        if is_cap is not None:
+            is_trunc = float(((is_weights >= is_cap) * mask).sum())
     per_token = pg
     kl = torch.zeros_like(pg)
     if ref_logp is not None and kl_coef > 0:
@@ -267,6 +288,8 @@ def policy_loss(
         clipped=float(clipped),
         tokens=float(mask.sum()),
         entropy_sum=ent_sum,
+        is_weight_sum=is_sum,
+        is_truncated=is_trunc,
     )
 
 

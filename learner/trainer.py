@@ -20,7 +20,8 @@ import torch
 
 from learner.fsdp import checkpoint_layers, full_state_dict, parallelize_llama
 from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
-from learner.losses import LossScale, policy_loss, token_entropy, token_logprobs, value_loss
+from learner.losses import (LossScale, policy_loss, token_entropy, token_logprobs, truncated_is_weights,
+                            value_loss)
 from learner.optim import build_optimizer
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
 
@@ -110,11 +111,14 @@ class TrainerEngine:
         sampler_logp = b["old_logprobs"][:, 1:]
         scale = LossScale(tokens=float(batch["global_tokens"]), seqs=float(batch["global_seqs"]),
                           max_len=int(batch.get("max_new_tokens", mask.shape[1])), world=self.world)
+        is_w = None
+        if c.off_policy_correction == "tis":  # stale rollouts: ratio vs the trainer, IS weight vs the sampler
+            is_w = truncated_is_weights(old_logp, sampler_logp, c.tis_cap)
         out = policy_loss(
             logp, sampler_logp if old_logp is None else old_logp, b["advantages"][:, 1:], mask, scale,
             clip_low=c.clip_eps, clip_high=c.clip_eps_high, agg_mode=c.resolved_loss_agg_mode,
             dual_clip_c=c.dual_clip_c, ref_logp=ref, kl_coef=c.kl_coef, kl_estimator=c.kl_estimator,
-            entropy=entropy, entropy_coef=c.entropy_coef,
+            entropy=entropy, entropy_coef=c.entropy_coef, is_weights=is_w, is_cap=c.tis_cap,
         )
         gap = ((logp.detach() - sampler_logp).abs() * mask).sum()
         return out, float(gap)
@@ -186,12 +190,14 @@ class TrainerEngine:
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
         plan = self._plan(batch)
-        if self.cfg.recompute_old_logprobs:  # the ratio's denominator from this trainer, not the sampler
+        if self.cfg.recompute_old_logprobs or self.cfg.off_policy_correction == "tis":
+            # the ratio's denominator from this trainer, not the sampler (TIS weighs the difference)
             batch = dict(batch, recomputed_old=self.logprobs(batch))
         stats: dict = {}
         for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(("pg_sum", "kl_sum", "clipped", "tokens", "entropy_sum"), 0.0)
+            sums = dict.fromkeys(("pg_sum", "kl_sum", "clipped", "tokens", "entropy_sum", "is_weight_sum",
+                                  "is_truncated"), 0.0)
             gap = 0.0
             for rows, lo, hi in plan:  # gradient accumulation: the shares add up to the global loss
                 out, gap_mb = self.loss(slice_batch(batch, rows, lo, hi))

@@ -19,6 +19,8 @@ import json
 import os
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,17 +46,39 @@ def _actor_env(cfg: RunConfig) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
 
 
-def _actor_classes() -> dict:
+def _actor_classes(colocated: bool = False) -> dict:
     from actors.reward_actor import RewardActor
     from actors.sampler_actor import SamplerActor
     from actors.trainer_actor import TrainerActor
 
+    if colocated:  # one process per trainer chip runs both engines
+        from actors.colocated_actor import ColocatedActor
+
+        TrainerActor = ColocatedActor  # noqa: N806
     return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+
+
+@dataclass
+class Rollout:
+    """Prompts handed to the samplers for one future step (async mode): what a rewind needs."""
+
+    step: int  # the step that will train on it
+    data_before: dict  # the data cursor before its prompts were drawn
+    drawn: list[str]  # ledger ids of its prompts
+    examples: list[dict]
+    shards: list
+    seed: int
+    refs: dict = field(default_factory=dict)  # sampler rank -> (handle, ObjectRef)
+    submitted_version: int = 0  # the newest weight version whose sync was issued before it
 
 
 class Controller(Supervision):
     def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False):
         self.cfg, self.address, self.resume = cfg, address or cfg.cluster.address, resume
+        self.colocated = cfg.placement.mode == "colocated"
+        self.staleness = cfg.placement.staleness
+        self._inflight: deque[Rollout] = deque()  # async: rollouts submitted, not yet trained on
+        self._current: Rollout | None = None  # async: popped for this step, not yet committed
         self.run_dir = cfg.resolved_run_dir
         self.table = ChipTable.build(cfg.cluster)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
@@ -102,19 +126,20 @@ class Controller(Supervision):
         self._claim_chips()
         self._start_health()
         self._start_dashboard()
-        n_t, n_s = len(self.trainers), len(self.samplers)
+        n_t = len(self.trainers)
+        members = self.trainers if self.colocated else self.trainers + self.samplers
         master, port = ray.get(self.trainers[0].rendezvous.remote())
-        args = lambda r: (master, port, n_t + n_s, r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
-        ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(self.trainers + self.samplers)])
-        builds = [t.build.remote(self.vocab) for t in self.trainers]
+        args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
+        ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)])
+        builds = self._build_trainers()
         rm_vocab = ray.get([r.build.remote() for r in self.rewarders])
         if rm_vocab and min(rm_vocab) < self.vocab:
             raise ConfigError(f"reward_model {self.cfg.reward_model.path} has vocab_size {min(rm_vocab)} < the "
                               f"policy's {self.vocab}; the reward model must share the policy's tokenizer")
-        cache_dir = str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
         t_compile = time.perf_counter()
-        compiles = [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec, cache_dir)
-                    for s in self.samplers]
+        compiles = builds if self.colocated else \
+            [s.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec, self._cache_dir())
+             for s in self.samplers]
         ray.get(builds)
         self.compile_log = ray.get(compiles)
         self._report_compiling(time.perf_counter() - t_compile)
@@ -124,6 +149,21 @@ class Controller(Supervision):
         self._sync(self.version)
         self._write_placement()
         self.state = "running"
+
+    def _cache_dir(self) -> str | None:
+        return str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
+
+    def _build_trainers(self) -> list:
+        """Start every trainer's engine (colocated: and its in-process sampler, whose compile log
+        the call returns); refs, so the caller can overlap them with other builds."""
+        if self.colocated:
+            return [t.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec,
+                                   self._cache_dir()) for t in self.trainers]
+        return [t.build.remote(self.vocab) for t in self.trainers]
+
+    def _processes(self) -> list:
+        """Every chip-owning actor once (colocated trainers are also the samplers)."""
+        return self.trainers + ([] if self.colocated else self.samplers) + self.rewarders
 
     def _slice_names(self) -> list[str] | None:
         """Slice index -> the ``ray.io/tpu-slice-name`` label of its nodes, or None if unlabelled.
@@ -154,7 +194,7 @@ class Controller(Supervision):
         """
         from ray.util.placement_group import placement_group
 
-        classes = _actor_classes()
+        classes = _actor_classes(self.colocated)
         planned = sorted(((chips[0].global_id, role, rank, chips) for role in classes
                           for rank, chips in enumerate(self.roles.get(role, []))), key=lambda x: x[0])
         bundles, selectors, slots, expected = [], [], [], {}
@@ -194,8 +234,10 @@ class Controller(Supervision):
         self.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
         self.samplers = [actors[Role.SAMPLER][r] for r in range(len(actors[Role.SAMPLER]))]
         self.rewarders = [actors[Role.REWARD][r] for r in range(len(actors[Role.REWARD]))]
+        if self.colocated:  # the same handles (one list: a replaced trainer is the replaced sampler)
+            self.samplers = self.trainers
         self.planned_chips = [expected[(Role.TRAINER, r)] for r in range(len(self.trainers))] + \
-                             [expected[(Role.SAMPLER, r)] for r in range(len(self.samplers))] + \
+                             [expected[(Role.SAMPLER, r)] for r in range(len(actors[Role.SAMPLER]))] + \
                              [expected[(Role.REWARD, r)] for r in range(len(self.rewarders))]
 
     def _new_actor(self, role: Role, rank: int, incarnation: int = 0):
@@ -203,7 +245,7 @@ class Controller(Supervision):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, chips = self.bundles[(role, rank)]
-        return self._ray.remote(_actor_classes()[role]).options(
+        return self._ray.remote(_actor_classes(self.colocated)[role]).options(
             name=f"rltpu-{role.value}-{rank}-{os.getpid()}" + (f"-{incarnation}" if incarnation else ""),
             num_cpus=0, resources={"TPU": len(chips)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
@@ -224,7 +266,7 @@ class Controller(Supervision):
 
     def _claim_chips(self) -> None:
         ray = self._ray
-        actors = self.trainers + self.samplers + self.rewarders
+        actors = self._processes()
         idents = ray.get([a.identity.remote() for a in actors])
         if self.cfg.cluster.emulated is None:
             self.emulated = not all(i["tpu_present"] for i in idents)
@@ -252,20 +294,95 @@ class Controller(Supervision):
     def _write_placement(self) -> None:
         info = {
             "cluster": self.cluster_info, "emulated": self.emulated, "pod_type": self.table.pod_type,
+            "mode": self.cfg.placement.mode, "staleness": self.staleness,
             "chips": self.table.to_rows(), "actors": self.reports, "compile_log": self.compile_log,
             "compiling": self.compile_summary,
         }
+        if self.colocated:  # both roles resident in one process: what each process holds, measured
+            info["memory"] = self._ray.get([t.memory.remote() for t in self.trainers])
         (self.run_dir / "placement.json").write_text(json.dumps(info, indent=1, default=str))
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> dict:
-        ray, cfg = self._ray, self.cfg
-        G = cfg.sampler.group_size
+        if self.staleness:
+            return self._step_async()
         t_step = time.perf_counter()
         self._phase = "sample"
         t0 = time.perf_counter()
-        gen, rewards, outs, ds = self._sample_scored(G)
-        sample_s = time.perf_counter() - t0
+        gen, rewards, outs, ds = self._sample_scored(self.cfg.sampler.group_size)
+        return self._train_and_sync(gen, rewards, outs, ds, t_step, time.perf_counter() - t0)
+
+    # -- async off-policy (placement.staleness = s > 0) -------------------------------------------
+    def _step_async(self) -> dict:
+        """Step t trains on a rollout the samplers started earlier; before waiting for it, rollouts
+        up to step t+s are handed out, so the samplers generate while the trainers train.
+
+        A sampler runs its calls in order, so a rollout submitted after the sync of version v was
+        issued is generated by weights >= v. Rollout t+s is submitted once version t-1 is synced:
+        trained at step t+s (policy version t+s-1), it lags by at most s versions. The lag is
+        measured from the versions the samplers stamp on every row, and checked.
+        """
+        t_step = time.perf_counter()
+        self._phase = "sample"
+        last = min(self.step_idx + 1 + self.staleness, self.cfg.trainer.steps)
+        while (self._inflight[-1].step if self._inflight else self.step_idx) < last:
+            self._submit_rollout(self._inflight[-1].step + 1 if self._inflight else self.step_idx + 1)
+        t0 = time.perf_counter()
+        ro = self._current = self._inflight.popleft()
+        outs = self._collect(ro)
+        G = self.cfg.sampler.group_size
+        gen = merge_generations(outs, self.tokenizer.pad_id)
+        rewards = self._rewards(gen, ro.examples, G)
+        lag = self.version - np.asarray(gen["versions"])
+        if lag.max() > self.staleness:
+            raise RuntimeError(f"rollout for step {ro.step} came from weight version {int(gen['versions'].min())}, "
+                               f"{int(lag.max())} behind v{self.version} > placement.staleness={self.staleness}")
+        self._drawn = ro.drawn
+        ds = {"staleness": int(lag.max()), "staleness_mean": float(lag.mean()),
+              "rollouts_in_flight": len(self._inflight)}
+        return self._train_and_sync(gen, rewards, outs, ds, t_step, time.perf_counter() - t0)
+
+    def _submit_rollout(self, step: int) -> None:
+        """Draw step ``step``'s prompts and hand them to the samplers (returns at once)."""
+        cfg, n = self.cfg, self.cfg.trainer.prompts_per_step
+        data_before, saved = self.data.state_dict(), self._drawn
+        self._drawn = []
+        examples = self._draw(n)
+        drawn, self._drawn = self._drawn, saved
+        prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
+        check_prompt_lengths(prompt_ids, examples, cfg.sampler)
+        shards = split_prompts(prompt_ids, len(self.samplers))
+        seed = cfg.seed * 1_000_003 + (step - 1) * 131  # what the on-policy loop uses for this step
+        G = cfg.sampler.group_size
+        refs = {r: (s, s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(self.samplers)}
+        self._inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs, self.version))
+
+    def _collect(self, ro: Rollout) -> list[dict]:
+        """Wait for a submitted rollout; a shard whose sampler died is redone, same seed, on its
+        replacement (``_generate``)."""
+        return self._generate(ro.shards, self.cfg.sampler.group_size, ro.seed, ro.refs)
+
+    def _untrained_data_state(self) -> dict:
+        """The data cursor a resume must restart from: before the oldest rollout not yet trained on,
+        so in-flight prompts are drawn again (none lost) and trained ones are not (none replayed)."""
+        if self._current is not None:
+            return self._current.data_before
+        if self._inflight:
+            return self._inflight[0].data_before
+        return self.data.state_dict()
+
+    def _drop_inflight(self) -> dict:
+        """Forget every untrained rollout (after a failure); returns the cursor to rewind to."""
+        state = self._untrained_data_state()
+        self._inflight.clear()
+        self._current = None
+        return state
+
+    # -- train, sync, metrics (both modes) ---------------------------------------------------------
+    def _train_and_sync(self, gen: dict, rewards: np.ndarray, outs: list[dict], ds: dict, t_step: float,
+                        sample_s: float) -> dict:
+        ray, cfg = self._ray, self.cfg
+        G = cfg.sampler.group_size
         tc = cfg.trainer
         kl = values = None
         if tc.kl_in_reward or tc.algorithm == "ppo":  # passes over the rollout before the advantages
@@ -285,6 +402,7 @@ class Controller(Supervision):
         refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
         self._phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
         self._commit_ledger()
+        self._current = None
         stats = ray.get(refs)
         train_s = time.perf_counter() - t1
         self.version += 1
@@ -297,7 +415,13 @@ class Controller(Supervision):
             return sum(s[key] for s in stats) / tokens
 
         padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
+        sampler_busy = sum(o["seconds"] for o in outs) / len(self.samplers)
+        if self.colocated:  # both roles resident: what each process holds now (VmRSS / VmHWM)
+            mem = ray.get([t.memory.remote() for t in self.trainers])
+            ds = dict(ds, proc_rss_mb=max(m["rss_bytes"] for m in mem) / 2**20,
+                      proc_peak_rss_mb=max(m["peak_rss_bytes"] for m in mem) / 2**20)
         return {
+            "mode": self.cfg.placement.mode,
             "step": self.step_idx, "weight_version": self.version, "emulated": self.emulated,
             "reward_mean": ds.get("reward_mean_sampled", float(rewards.mean())), "reward_std": float(rewards.std()),
             "kl_in_reward": float(kl.sum() / max(batch["loss_mask"].sum(), 1)) if kl is not None else None,
@@ -312,7 +436,11 @@ class Controller(Supervision):
             "response_len": float(gen["lengths"].mean()),
             "sample_s": sample_s, "train_s": train_s, "sync_s": sync["seconds"],
             "step_s": time.perf_counter() - t_step,
-            "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(sample_s, 1e-9),
+            # time each group spent in its own work (mean sampler over its generate calls; slowest
+            # trainer rank): with step_s, the share of the step each group sat idle
+            "sampler_busy_s": sampler_busy, "trainer_busy_s": max(s["seconds"] for s in stats),
+            "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(sampler_busy if self.staleness else sample_s,
+                                                                         1e-9),
             "compiles": sum(o["compiles"] for o in outs), "compile_s": sum(o["compile_seconds"] for o in outs),
             "sample_program_s": max(o["program_seconds"] for o in outs),
             "sample_host_s": max(o["host_seconds"] for o in outs),
@@ -379,6 +507,8 @@ class Controller(Supervision):
             self._sync_store = self._ray.get(self.trainers[0].rendezvous.remote())
             self.sync_generation = 0
             self.sampler_versions = [-1] * len(self.samplers)
+        if self.colocated:  # weights pass in-process: no sync fabric to build
+            return
         self.sync_generation += 1
         t_sl = [chips[0].slice for chips in self.roles[Role.TRAINER]]
         s_sl = [chips[0].slice for chips in self.roles[Role.SAMPLER]]
@@ -389,6 +519,8 @@ class Controller(Supervision):
         """Every trainer streams its shards, every sampler stages and publishes atomically; on any
         failure every sampler keeps its previous version (recorded in ``sampler_versions``)."""
         t0 = time.perf_counter()
+        if self.colocated:
+            return self._publish_local(version, t0)
         refs = [t.push_weights.remote(self.spec, version) for t in self.trainers]
         refs += [s.receive_weights.remote(version) for s in self.samplers]
         try:
@@ -414,6 +546,17 @@ class Controller(Supervision):
                 "dcn_bytes": sum(r["link_bytes"]["dcn"] for r in received),
                 "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
+    def _publish_local(self, version: int, t0: float) -> dict:
+        """Colocated: each process hands its trainer's weights to its own sampler engine (with several
+        trainer ranks FSDP's all-gather assembles the full tensors first); no sync fabric."""
+        out = self._ray.get([t.publish_local.remote(version) for t in self.trainers])
+        self.sampler_versions = [int(o["version"]) for o in out]
+        return {"seconds": time.perf_counter() - t0, "bytes": sum(o["bytes"] for o in out),
+                "buckets": sum(o.get("buckets", 0) for o in out),
+                "ici_bytes": sum(o["link_bytes"]["ici"] for o in out),
+                "dcn_bytes": sum(o["link_bytes"]["dcn"] for o in out),
+                "zero_copy_frac": sum(o["zero_copy"] for o in out) / max(sum(o["tensors"] for o in out), 1)}
+
     def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A fixed probe from the dataset (synthetic: prompts plus answers; a file: its first
         prompts), cut to what the sampler's grid can hold, right-padded."""
@@ -431,14 +574,17 @@ class Controller(Supervision):
         """Max |logit diff| between trainer and every sampler on the probe (catches sync bugs)."""
         probe = self.probe
         t_logits = self._ray.get([t.probe_logits.remote(*probe) for t in self.trainers])[0]
-        s_logits = self._ray.get([s.probe_logits.remote(*probe) for s in self.samplers])
+        s_logits = self._ray.get([s.sampler_probe_logits.remote(*probe) if self.colocated else
+                                  s.probe_logits.remote(*probe) for s in self.samplers])
         mask = probe[2].astype(bool)
         return float(max(np.abs(s[mask] - t_logits[mask]).max() for s in s_logits))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, data_state: dict | None = None) -> str:
+        # the cursor sits before any rollout still in flight (async): a resume draws those prompts again
         meta = {"step": self.step_idx, "weight_version": self.version,
-                "data": data_state or self.data.state_dict(), "seed": self.cfg.seed, "config": self.cfg.to_dict(),
+                "data": data_state or self._untrained_data_state(), "seed": self.cfg.seed, "config": self.cfg.to_dict(),
+                "in_flight_prompts": [p for ro in self._inflight for p in ro.drawn],
                 # sampler randomness is a pure function of (seed, step, sampler rank): nothing else to save
                 "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
         path = str(self.run_dir / "checkpoint")
@@ -484,6 +630,8 @@ class Controller(Supervision):
                     raise
                 except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
                     self._phase = "idle"
+                    if self.staleness:  # async: every untrained rollout is redrawn after the recovery
+                        data_before, step_before = self._drop_inflight(), self.step_idx
                     self._recover(err, data_before, step_before)
                 self._write_trace()
         except KeyboardInterrupt:
@@ -492,7 +640,8 @@ class Controller(Supervision):
             writer.close()
             print(f"\nrltpu: interrupted at step {self.step_idx}; saving checkpoint", flush=True)
             try:
-                self.save_checkpoint(data_before if self._phase == "sample" else self.data.state_dict())
+                self.save_checkpoint(self._untrained_data_state() if self.staleness else
+                                     data_before if self._phase == "sample" else self.data.state_dict())
             except Exception as err:  # noqa: BLE001 - report and keep the previous checkpoint
                 print(f"rltpu: could not write the final checkpoint ({err}); the previous one is kept")
             raise
@@ -503,7 +652,7 @@ class Controller(Supervision):
         self._stop_supervision(state)
         if self._ray is None or not self._ray.is_initialized():
             return
-        for a in self.trainers + self.samplers + self.rewarders:
+        for a in self._processes():
             try:
                 self._ray.get(a.shutdown.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - best effort; the actor is killed next

@@ -66,9 +66,10 @@ class Supervision:
         self.__dict__["_phase_name"] = name
 
     def _keys(self) -> dict[str, tuple[Role, int]]:
-        return {f"{role.value}-{r}": (role, r) for role, group in
-                ((Role.TRAINER, self.trainers), (Role.SAMPLER, self.samplers), (Role.REWARD, self.rewarders))
-                for r in range(len(group))}
+        groups = [(Role.TRAINER, self.trainers), (Role.SAMPLER, self.samplers), (Role.REWARD, self.rewarders)]
+        if getattr(self, "colocated", False):  # the samplers are the trainer processes: key them once
+            groups.pop(1)
+        return {f"{role.value}-{r}": (role, r) for role, group in groups for r in range(len(group))}
 
     def _group(self, role: Role) -> list:
         return {Role.TRAINER: self.trainers, Role.SAMPLER: self.samplers, Role.REWARD: self.rewarders}[role]
@@ -286,21 +287,24 @@ class Supervision:
                     raise TrainerGroupFailed("; ".join(f"{k}: {w}" for k, w in failed.items())) from err
                 self._replace(failed)
 
-    def _generate(self, shards: list, G: int, seed: int) -> list[dict]:
+    def _generate(self, shards: list, G: int, seed: int, submitted: dict | None = None) -> list[dict]:
         """Every sampler's shard (seed + rank); a shard whose sampler failed is redone, with the same
-        seed, on its replacement."""
+        seed, on its replacement. ``submitted``: rank -> (handle, ref) of calls already issued (async
+        mode); one made on a process since replaced is redone without another recovery."""
         outs: list = [None] * len(shards)
         todo = list(range(len(shards)))
         while todo:
-            refs = {r: self.samplers[r].generate.remote(shards[r], G, seed + r) for r in todo}
-            errors = []
-            for r, ref in refs.items():
+            calls = submitted or {r: (self.samplers[r], self.samplers[r].generate.remote(shards[r], G, seed + r))
+                                  for r in todo}
+            submitted, errors, stale = None, [], False
+            for r, (handle, ref) in calls.items():
                 try:
                     outs[r] = self._ray.get(ref)
                 except Exception as err:  # noqa: BLE001
                     errors.append(err)
+                    stale |= handle is not self.samplers[r]  # already replaced after an earlier failure
             todo = [r for r in todo if outs[r] is None]
-            if errors and not self._heal(errors[0]):
+            if errors and not self._heal(errors[0]) and not stale:
                 raise errors[0]
         return outs
 
@@ -329,7 +333,7 @@ class Supervision:
         master, port = ray.get(self.trainers[0].rendezvous.remote())
         ray.get([t.init_process_groups.remote(master, port, n_t, r, n_t, self.cfg.sync.timeout_s)
                  for r, t in enumerate(self.trainers)])
-        ray.get([t.build.remote(self.vocab) for t in self.trainers])
+        ray.get(self._build_trainers())
         others = {k: w for k, w in failed.items() if not k.startswith("trainer-")}
         if others:
             self._replace(others)

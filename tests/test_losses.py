@@ -278,3 +278,24 @@ def test_dynamic_sampling_refill_by_hand():
     # the filler groups carry zero advantage: they add tokens but no gradient signal
     adv = grpo_advantages(torch.from_numpy(rewards), 2)
     assert torch.all(adv[2:] == 0) and torch.all(adv[:2] != 0)
+
+
+def test_truncated_importance_weights_by_hand():
+    """Stale rollouts (placement.staleness > 0): ratio against the trainer's logprobs, each token's
+    surrogate weighted by min(pi_old / pi_behaviour, cap)."""
+    from learner.losses import truncated_is_weights
+
+    behaviour = torch.log(torch.tensor([[0.5, 0.2, 0.4]]))  # the sampler's (stale) policy
+    old = torch.log(torch.tensor([[0.5, 0.6, 0.2]]))  # the trainer's weights before the update
+    w = truncated_is_weights(old, behaviour, cap=2.0)
+    np.testing.assert_allclose(w.numpy(), [[1.0, 2.0, 0.5]], rtol=1e-6)  # 0.6/0.2 = 3 is truncated to 2
+    logp = old + torch.log(torch.tensor([[1.1, 1.0, 1.5]]))  # ratios vs old: 1.1, 1.0, 1.5
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    m = torch.ones(1, 3)
+    out = policy_loss(logp, old, adv, m, LossScale(tokens=3, seqs=1), clip_low=0.2, is_weights=w, is_cap=2.0)
+    # token 0: -min(1.1, 1.1)*1 * w1 = -1.1; token 1: -min(-1, -1) * 2 = +2; token 2: -min(1.5, 1.2) * 0.5 = -0.6
+    assert out.loss.item() == pytest.approx((-1.1 + 2.0 - 0.6) / 3, abs=1e-5)
+    assert out.is_weight_sum == pytest.approx(3.5)
+    assert out.is_truncated == 1
+    plain = policy_loss(logp, old, adv, m, LossScale(tokens=3, seqs=1), clip_low=0.2)
+    assert plain.loss.item() == pytest.approx((-1.1 + 1.0 - 1.2) / 3, abs=1e-5)
