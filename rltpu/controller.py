@@ -79,6 +79,7 @@ class Controller(Supervision):
         self.staleness = cfg.placement.staleness
         self._inflight: deque[Rollout] = deque()  # async: rollouts submitted, not yet trained on
         self._current: Rollout | None = None  # async: popped for this step, not yet committed
+        self._submitting: dict | None = None  # async: the cursor while a rollout's prompts are drawn
         self.run_dir = cfg.resolved_run_dir
         self.table = ChipTable.build(cfg.cluster)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
@@ -346,7 +347,7 @@ class Controller(Supervision):
         """Draw step ``step``'s prompts and hand them to the samplers (returns at once)."""
         cfg, n = self.cfg, self.cfg.trainer.prompts_per_step
         data_before, saved = self.data.state_dict(), self._drawn
-        self._drawn = []
+        self._submitting, self._drawn = data_before, []  # an interrupt mid-draw still rewinds to here
         examples = self._draw(n)
         drawn, self._drawn = self._drawn, saved
         prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
@@ -356,6 +357,7 @@ class Controller(Supervision):
         G = cfg.sampler.group_size
         refs = {r: (s, s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(self.samplers)}
         self._inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs, self.version))
+        self._submitting = None
 
     def _collect(self, ro: Rollout) -> list[dict]:
         """Wait for a submitted rollout; a shard whose sampler died is redone, same seed, on its
@@ -369,13 +371,13 @@ class Controller(Supervision):
             return self._current.data_before
         if self._inflight:
             return self._inflight[0].data_before
-        return self.data.state_dict()
+        return self._submitting or self.data.state_dict()
 
     def _drop_inflight(self) -> dict:
         """Forget every untrained rollout (after a failure); returns the cursor to rewind to."""
         state = self._untrained_data_state()
         self._inflight.clear()
-        self._current = None
+        self._current = self._submitting = None
         return state
 
     # -- train, sync, metrics (both modes) ---------------------------------------------------------
@@ -584,7 +586,8 @@ class Controller(Supervision):
         # the cursor sits before any rollout still in flight (async): a resume draws those prompts again
         meta = {"step": self.step_idx, "weight_version": self.version,
                 "data": data_state or self._untrained_data_state(), "seed": self.cfg.seed, "config": self.cfg.to_dict(),
-                "in_flight_prompts": [p for ro in self._inflight for p in ro.drawn],
+                "in_flight_prompts": [p for ro in ([self._current] if self._current else []) + list(self._inflight)
+                                      for p in ro.drawn],
                 # sampler randomness is a pure function of (seed, step, sampler rank): nothing else to save
                 "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
         path = str(self.run_dir / "checkpoint")

@@ -6,8 +6,15 @@ the test instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def spawn_ranks(target, world: int, args: tuple, timeout_s: float, what: str = "") -> dict[int, object]:
@@ -42,3 +49,37 @@ def spawn_ranks(target, world: int, args: tuple, timeout_s: float, what: str = "
     assert sorted(out) == list(range(world)), f"{what}: no report from some rank: {sorted(out)}"
     assert [p.exitcode for p in procs] == [0] * world, f"{what}: exit codes {[p.exitcode for p in procs]}"
     return out
+
+
+@contextlib.contextmanager
+def ray_head(tag: str, env: dict, tpu_chips: int = 4):
+    """A Ray head (``ray start --head --block``) on 127.0.0.1 with ``tpu_chips`` emulated TPU chips
+    labelled as one host of one slice; yields its address. Shared by a module's runs so each pays
+    for its actors and compiles but not a cluster start."""
+    from rltpu.runtime import free_port
+
+    port = free_port()
+    temp = Path("/tmp") / f"rltpu-{tag}-{os.getpid()}"
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         "--node-ip-address=127.0.0.1", "--num-cpus=2", f'--resources={{"TPU": {tpu_chips}}}',
+         "--labels=ray.io/tpu-worker-id=0,ray.io/tpu-slice-name=rltpu-emu-slice-0",
+         f"--temp-dir={temp}", "--disable-usage-stats", "--include-dashboard=false"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while True:  # the GCS port accepting connections = the head is up
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.time() < deadline, "ray head did not start"
+            time.sleep(0.5)
+    time.sleep(2)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # --block: the head takes its raylet and workers down with it
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)

@@ -8,17 +8,14 @@ preset: ``benchmarks/algorithms.py``. GRPO itself is covered by ``test_e2e.py``.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import procs
 import pytest
 
 from rltpu.metrics import read_metrics
-from rltpu.runtime import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from algorithms import PRESETS  # noqa: E402  (the presets the benchmark documents)
@@ -30,30 +27,9 @@ STEPS = 30
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    port = free_port()
-    temp = Path("/tmp") / f"rltpu-alg-{os.getpid()}"
-    head = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-         "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"TPU": 4}',
-         "--labels=ray.io/tpu-worker-id=0,ray.io/tpu-slice-name=rltpu-emu-slice-0",
-         f"--temp-dir={temp}", "--disable-usage-stats", "--include-dashboard=false"],
-        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 120
-    while True:  # the GCS port accepting connections = the head is up
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert head.poll() is None and time.time() < deadline, "ray head did not start"
-            time.sleep(0.5)
-    time.sleep(2)
-    yield f"127.0.0.1:{port}"
-    os.killpg(head.pid, signal.SIGTERM)  # --block: the head takes its raylet and workers down with it
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
+def ray_head():
+    with procs.ray_head("alg", ENV) as address:
+        yield address
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "grpo"])

@@ -1,0 +1,114 @@
+"""Placement modes through the real CLI: async off-policy (staleness 1) and colocated both learn the
+quickstart; async never exceeds its staleness bound and a SIGTERM + resume in async mode loses and
+replays no prompt. The disaggregated on-policy quickstart is ``test_e2e.py``; step times and idle
+shares of all three: ``benchmarks/modes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import procs
+import pytest
+
+from rltpu.ledger import check, effective, read_ledger
+from rltpu.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+pytestmark = pytest.mark.slow
+ASYNC = ["placement.staleness=1", "trainer.off_policy_correction=tis"]
+COLOCATED = ["placement.mode=colocated", "placement.sampler_chips=4", "placement.trainer_chips=4"]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    with procs.ray_head("modes", ENV) as address:
+        yield address
+
+
+def train(run_dir, address, *overrides, wait=True):
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
+           *overrides, "--address", address]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    _out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return read_metrics(Path(run_dir) / "metrics.jsonl")
+
+
+def rewards(m: list[dict]) -> tuple[float, float]:
+    return statistics.fmean(r["reward_mean"] for r in m[:5]), statistics.fmean(r["reward_mean"] for r in m[-5:])
+
+
+def test_async_staleness_1_learns_within_its_bound(ray_head, tmp_path):
+    m = train(tmp_path / "run", ray_head, *ASYNC)
+    first5, last5 = rewards(m)
+    print(f"async s=1: reward {first5:.3f} -> {last5:.3f}; median step {statistics.median(r['step_s'] for r in m):.3f}s")
+    assert len(m) == 100 and first5 <= 0.2 and last5 >= 0.8, (first5, last5)
+    # every row of step k came from the weights one version behind the policy it trains (k-2 after
+    # k-1 updates), never more: the bound, read back from the versions the samplers stamped
+    assert all(r["staleness"] <= 1 for r in m)
+    assert [r["sampler_versions"] for r in m[1:]] == [[r["weight_version"] - 2] for r in m[1:]]
+    assert m[0]["staleness"] == 0 and all(r["staleness"] == 1 for r in m[1:])
+    # overlap, structurally: step k+1's rollout was generated while step k trained, so the
+    # controller's wait for it is a small part of the samplers' generate time
+    assert statistics.median(r["sample_s"] for r in m[1:]) < 0.5 * statistics.median(r["sampler_busy_s"] for r in m[1:])
+    assert check(read_ledger(tmp_path / "run" / "ledger.jsonl"), 100, 64) == []
+
+
+def test_colocated_learns_one_process_per_chip(ray_head, tmp_path):
+    run_dir = tmp_path / "run"
+    m = train(run_dir, ray_head, *COLOCATED)
+    first5, last5 = rewards(m)
+    print(f"colocated: reward {first5:.3f} -> {last5:.3f}; peak RSS per process {m[-1]['proc_peak_rss_mb']:.0f} MB")
+    assert len(m) == 100 and first5 <= 0.2 and last5 >= 0.8, (first5, last5)
+    assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)  # on-policy
+    probes = [r["sync_probe_max_diff"] for r in m if r["sync_probe_max_diff"] is not None]
+    assert probes and max(probes) <= 1e-4, probes  # the in-process sampler holds the trainer's weights
+    placement = json.loads((run_dir / "placement.json").read_text())
+    actors = placement["actors"]
+    assert placement["mode"] == "colocated" and len(actors) == 4
+    assert all(a["group"] == "trainer" and a["colocated"] and a["engines"] == ["trainer", "sampler"] for a in actors)
+    chips = [c for a in actors for c in a["chip_ids"]]
+    assert sorted(chips) == [0, 1, 2, 3]  # one process per chip, no chip claimed twice
+    assert len({a["pid"] for a in actors}) == 4
+    mem = placement["memory"]
+    assert len(mem) == 4 and all(x["rss_bytes"] > 0 and x["peak_rss_bytes"] >= x["rss_bytes"] for x in mem)
+    assert all(r["proc_peak_rss_mb"] > 0 for r in m)
+
+
+def test_async_sigterm_resume_loses_and_replays_no_prompt(ray_head, tmp_path):
+    """Staleness 2: when SIGTERM lands, rollouts for later steps are in flight; the checkpoint's
+    cursor sits before their prompts, so the resumed run draws them again, once."""
+    run_dir, steps = tmp_path / "run", 12
+    args = (*ASYNC[1:], "placement.staleness=2", f"trainer.steps={steps}", "sync.verify_every=0")
+    proc = train(run_dir, ray_head, *args, wait=False)
+    deadline = time.time() + 400
+    while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir / "metrics.jsonl")) >= 4):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "timed out waiting for step 4"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    _out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err[-3000:]
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    done = state["step"]
+    assert 4 <= done < steps
+    in_flight = state["in_flight_prompts"]
+    assert in_flight and len(in_flight) % 64 == 0, len(in_flight)  # whole steps were in flight
+    assert state["data"]["position"] == done * 64  # the cursor excludes them
+    m = train(run_dir, ray_head, *args, "--resume")
+    assert m[-1]["step"] == steps
+    lines = read_ledger(run_dir / "ledger.jsonl")
+    assert check(lines, steps, 64) == []  # every step once, prompts contiguous, none twice
+    assert effective(lines)[done + 1] == in_flight[:64]  # the first resumed step trains what was in flight
