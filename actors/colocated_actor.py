@@ -55,13 +55,13 @@ class ColocatedActor(TrainerActor):
             return self.sampler.precompile() if self.cfg.sampler.precompile else []
 
     # -- weights, in-process ---------------------------------------------------------------------
-    def publish_local(self, version: int, alias: bool = False) -> dict:
+    def publish_local(self, version: int, alias: bool = False, keep_live: bool = False) -> dict:
         """This rank's trainer weights -> its own sampler as ``version``. Collective over the trainer
         group when it has more than one rank (every rank calls it at once). See rltpu/colocate.py."""
         from rltpu.colocate import publish_local
 
         with self.hb.phase("syncing"):
-            return publish_local(self.engine.model, self.sampler, self.spec, version, alias)
+            return publish_local(self.engine.model, self.sampler, self.spec, version, alias, keep_live)
 
     def push_weights(self, spec, version: int) -> dict:
         raise RuntimeError("a colocated actor has no sync fabric: call publish_local(version)")

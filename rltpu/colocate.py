@@ -16,16 +16,22 @@ Weight handoff (``publish_local``), per case:
 - A tensor on a non-CPU torch device is brought to the host first (one device-to-host copy);
   JAX then places it on its device. On TPU this is the part that stays to be verified.
 
-Why a snapshot and not aliasing by default (measured on this 2-core CPU, see the report below):
+Why a snapshot and not aliasing by default:
 JAX arrays are immutable by contract and the DLPack import hands the buffer's ownership to JAX;
 AdamW updates parameters *in place* (``param.addcdiv_``), as does ``load_checkpoint`` (a
 ``copy_`` into each parameter). With aliasing, the sampler's weights would change under it during
 ``train_step`` while it still reports the old version, a failed step would leave it half-updated,
 and the sampler-vs-trainer probe after a publish could no longer tell a stale sampler from a
-fresh one (they would share memory). The snapshot costs one memcpy of the parameters per publish
-(~1.5 ms for 1.4 MB, ~60 ms for 86 MB fp32 on this machine) and 1x the parameter bytes resident,
-against a trainer that already holds ~4x them (params, grads, two AdamW moments). ``alias=True``
-is kept for memory-bound single-rank runs that accept those hazards.
+fresh one (they would share memory). What the snapshot costs, measured on the 2-core CPU machine
+(load ~6, median of 5 publishes, one process, fp32):
+
+    model                           snapshot    alias     extra resident (snapshot)
+    quickstart, 0.3M params, 1.1 MB   9.9 ms    2.0 ms    1x params
+    27M params, 104 MB               70 ms     13 ms     1x params (83 MB after malloc_trim)
+
+i.e. one memcpy per publish and 1x the parameter bytes resident, against a trainer that already
+holds ~4x them (params, grads, two AdamW moments). ``alias=True`` is kept for memory-bound
+single-rank runs that accept those hazards (the sampler then reports ``shared_with_trainer_bytes``).
 
 Memory (``process_memory``): both engines stay resident at once (a TPU has no sleep mode that
 releases HBM between phases), so the report gives RSS now and at peak, the trainer's bytes
@@ -39,6 +45,7 @@ Testable without Ray (``tests/test_colocated.py``); ``actors/colocated_actor.py`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -108,7 +115,8 @@ def full_params_for_sampler(model: torch.nn.Module, spec: ParamSpec, alias: bool
     return out, st
 
 
-def publish_local(model: torch.nn.Module, sampler, spec: ParamSpec, version: int, alias: bool = False) -> dict:
+def publish_local(model: torch.nn.Module, sampler, spec: ParamSpec, version: int, alias: bool = False,
+                  keep_live: bool = False) -> dict:
     """Hand the trainer's current weights to the in-process ``sampler`` engine as ``version``.
 
     Returns the keys the controller reads from a disaggregated sync (``version``, ``bytes``,
@@ -116,9 +124,17 @@ def publish_local(model: torch.nn.Module, sampler, spec: ParamSpec, version: int
     ``seconds``, ``gathered_bytes`` (from other trainer ranks, over FSDP's group), ``copied_bytes``
     (memcpy / conversion inside this process), ``aliased_bytes`` (sampler memory that *is* trainer
     memory), ``converted`` (tensors cast to the sampler dtype) and ``mode``.
-    The sampler's live version stays until every tensor is ready (so for a moment both are held).
+
+    By default the sampler's live version is dropped first (version -1, no weights: a failed publish
+    leaves a sampler that refuses to generate rather than a stale one), so the old and the new copy
+    are never both held: measured on a 104 MB model, the publish peak is ~1.3x the parameter bytes
+    instead of ~2x. ``keep_live=True`` keeps the live version until the new one is complete (the
+    disaggregated sampler's contract), at the price of that peak. In colocated mode a failed
+    publish means a broken trainer group anyway (the whole group restarts from a checkpoint).
     """
     t0 = time.perf_counter()
+    if not keep_live:
+        sampler.params, sampler.version = None, -1
     tensors, st = full_params_for_sampler(model, spec, alias)
     params = torch_to_jax(tensors)
     zero = count_zero_copy(tensors, params)
@@ -219,17 +235,13 @@ def sampler_memory(engine, trainer_model: torch.nn.Module | None = None) -> dict
         if trainer_model is not None:
             mine = {_local(p).data_ptr() for p in trainer_model.parameters()}
             for a in engine.params.values():
-                try:
+                with contextlib.suppress(Exception):  # not comparable off CPU: counted as not shared
                     if a.unsafe_buffer_pointer() in mine:
                         out["shared_with_trainer_bytes"] += int(a.nbytes)
-                except Exception:  # noqa: BLE001 - not comparable off CPU
-                    pass
     temps = []
     for exe in engine._compiled.values():
-        try:
+        with contextlib.suppress(Exception):  # backends without memory analysis
             temps.append(int(exe.memory_analysis().temp_size_in_bytes))
-        except Exception:  # noqa: BLE001 - backends without memory analysis
-            pass
     if temps:
         out["program_temp_bytes"] = max(temps)
     return out

@@ -1,8 +1,8 @@
 """Colocated mode (no Ray): one process holds the trainer and the sampler; weights pass in-process.
 
 One tiny model. The single-process scenario (build both engines, publish v0, sample, train, publish
-v1) runs once per module; the 2-rank case spawns two gloo ranks that each run the real
-``ColocatedActor`` (without Ray) and checks the all-gathered weights against the single process.
+v1) runs once per module; the 2-rank case spawns two gloo ranks (and one) that each run the
+real ``ColocatedActor`` (without Ray) and checks the all-gathered weights against the single process.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from procs import spawn_ranks
 
 from learner.trainer import TrainerEngine
 from rltpu.colocate import full_params_for_sampler, process_memory, publish_local
@@ -19,7 +20,6 @@ from rltpu.config import ModelConfig, RunConfig, SamplerConfig, TrainerConfig
 from rltpu.rollout import build_train_batch, split_by_rank
 from rltpu.sampler import SamplerEngine
 from rltpu.weight_sync import param_spec, shard_rows
-from procs import spawn_ranks
 
 torch.set_num_threads(1)
 torch.set_float32_matmul_precision("highest")
@@ -177,21 +177,42 @@ def test_dtype_mismatch_converts_once(single):
         assert t.dtype == torch.bfloat16
         want = torch.from_numpy(single["full"][name]).to(torch.bfloat16)
         assert torch.equal(t, want), name
+
+
+def test_failed_publish_drops_or_keeps_the_live_version(single):
+    """Default: the live weights are released before the new ones are built (lower peak), so a
+    failed publish leaves no weights (version -1), never stale ones; ``keep_live`` keeps them."""
+    trainer, sampler = single["trainer"], single["sampler"]
+    bad = [(n, (s[0] + 1, *s[1:]) if i == 0 else s, d) for i, (n, s, d) in enumerate(SPEC)]
     with pytest.raises(ValueError, match="model configs disagree"):
-        full_params_for_sampler(single["trainer"].model, [(SPEC[0][0], (V + 1, 32), "float32")])
+        publish_local(trainer.model, sampler, bad, 2, keep_live=True)
+    assert sampler.version == 1 and sampler.params is not None
+    with pytest.raises(ValueError, match="model configs disagree"):
+        publish_local(trainer.model, sampler, bad, 2)
+    assert sampler.version == -1 and sampler.params is None
+    with pytest.raises(RuntimeError, match="no weights"):
+        sampler.generate(PROMPTS, G, SEED)
+    publish_local(trainer.model, sampler, SPEC, 1)  # restore (the module's engines are shared)
+    assert _gap(sampler.probe_logits(*_probe()), single["sampler1"]) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
 # two FSDP2 ranks, each a real ColocatedActor (no Ray): the all-gather path
 
 
-def _cfg_dict() -> dict:
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> str:
+    """A persistent compile cache shared by the spawned ranks (compiling generate is most of their time)."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _cfg_dict(world: int) -> dict:
     cfg = RunConfig(model=MCFG, sampler=SCFG, trainer=TCFG, seed=SEED,
-                    placement={"mode": "colocated", "sampler_chips": 2, "trainer_chips": 2})
+                    placement={"mode": "colocated", "sampler_chips": world, "trainer_chips": world})
     return cfg.to_dict()
 
 
-def _actor_worker(rank: int, world: int, port: int, cfg_dict: dict, batch: dict, q) -> None:
+def _actor_worker(rank: int, world: int, port: int, cfg_dict: dict, batch: dict, cache_dir: str, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     torch.set_float32_matmul_precision("highest")
@@ -202,7 +223,7 @@ def _actor_worker(rank: int, world: int, port: int, cfg_dict: dict, batch: dict,
         actor = ColocatedActor(rank, cfg_dict)
         actor.rt.backend_info = {"device": "cpu"}  # what claim() resolves on this machine
         actor.rt.init_process_groups("127.0.0.1", port, world, rank, world, 60.0)
-        log = actor.build(V, PAD, EOS, SPEC)
+        log = actor.build(V, PAD, EOS, SPEC, cache_dir)  # world 2 loads world 1's programs from disk
         out = {"log": log, "v_before": actor.weight_version()}
         probe = _probe()
         out["stats0"] = actor.publish_local(0)
@@ -229,9 +250,12 @@ def _actor_worker(rank: int, world: int, port: int, cfg_dict: dict, batch: dict,
             actor.shutdown()
 
 
-def test_two_fsdp_ranks_gather_full_tensors_equal_to_one_process(single):
-    res = spawn_ranks(_actor_worker, 2, (_cfg_dict(), single["batch"]), 120.0, "colocated")
-    for rank in (0, 1):
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_ranks_publish_full_tensors_equal_to_one_process(single, world, jax_cache):
+    """world 1: an FSDP2 mesh of one rank (DTensor local shard = the full tensor, snapshot copy);
+    world 2: FSDP's all-gather over the trainer group."""
+    res = spawn_ranks(_actor_worker, world, (_cfg_dict(world), single["batch"], jax_cache), 120.0, "colocated")
+    for rank in range(world):
         r = res[rank]
         assert "error" not in r, f"rank {rank}: {r['error']}"
         assert r["log"] == [] and r["v_before"] == -1 and r["v_after"] == 1
@@ -245,17 +269,21 @@ def test_two_fsdp_ranks_gather_full_tensors_equal_to_one_process(single):
         for name, want in single["full"].items():
             np.testing.assert_allclose(r["sampler_params"][name], want, rtol=1e-5, atol=2e-5, err_msg=name)
         # gathered = everything but this rank's own dim-0 rows
-        own = sum(4 * (shard_rows(s[0], 2, rank)[1] - shard_rows(s[0], 2, rank)[0]) * int(np.prod(s[1:]))
+        own = sum(4 * (shard_rows(s[0], world, rank)[1] - shard_rows(s[0], world, rank)[0]) * int(np.prod(s[1:]))
                   for _, s, _ in SPEC)
         total = _hand_n_params(MCFG, V) * 4
         for st in (r["stats0"], r["stats1"]):
-            assert st["ranks"] == 2 and st["bytes"] == total and st["gathered_bytes"] == total - own
-            assert st["copied_bytes"] == 0 and st["aliased_bytes"] == 0
-            assert st["tensors"] == len(SPEC)
+            assert st["ranks"] == world and st["bytes"] == total and st["gathered_bytes"] == total - own
+            # one rank: a snapshot of the local shard; two: the gathered tensors are adopted as they are
+            assert st["copied_bytes"] == (total if world == 1 else 0) and st["aliased_bytes"] == 0
+            assert st["tensors"] == st["zero_copy"] == len(SPEC)
         rep = r["report"]
         assert rep["group"] == "trainer" and rep["rank"] == rank and rep["colocated"] is True
         assert rep["engines"] == ["trainer", "sampler"] and rep["weight_version"] == 1
         mem = rep["memory"]
-        assert 0 < mem["trainer"]["param_bytes"] < total  # a shard (FSDP pads it to equal rows)
+        if world == 1:
+            assert mem["trainer"]["param_bytes"] == total
+        else:
+            assert 0 < mem["trainer"]["param_bytes"] < total  # a shard (FSDP pads it to equal rows)
         assert mem["sampler"]["param_bytes"] == total and mem["rss_bytes"] > 0
         assert r["beat"]["group"] == "trainer" and r["beat"]["step"] == 1 and r["beat"]["sampler_version"] == 1
