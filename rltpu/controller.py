@@ -403,7 +403,7 @@ class Controller(Supervision):
         parts = split_by_rank(batch, len(self.trainers))
         refs = [t.train_step.remote(b) for t, b in zip(self.trainers, parts)]
         self._phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
-        self._commit_ledger()
+        self._commit_ledger(int(np.min(gen["versions"])))
         self._current = None
         stats = ray.get(refs)
         train_s = time.perf_counter() - t1
@@ -430,6 +430,9 @@ class Controller(Supervision):
             **ds, **self._reward_parts,
             "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
             "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
+            # truncated IS (trainer.off_policy_correction=tis): mean weight, share of tokens at the cap
+            "is_weight_mean": per_token("is_weight_sum") if tc.off_policy_correction == "tis" else None,
+            "is_truncated_frac": per_token("is_truncated") if tc.off_policy_correction == "tis" else None,
             "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
             "micro_batches": stats[0]["micro_batches"],
             "train_padding_frac": sum(s["train_padding_frac"] for s in stats) / len(stats),

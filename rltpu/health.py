@@ -277,7 +277,9 @@ def format_status(doc: dict, now: float | None = None) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     healthy, problems = assess(doc, now)
     lines = [f"run {doc.get('run_dir')}: {doc.get('state')} at step {doc.get('step')}/{doc.get('steps')}, "
-             f"weight version {doc.get('weight_version')}, {'healthy' if healthy else 'UNHEALTHY'}",
+             f"weight version {doc.get('weight_version')}, {'healthy' if healthy else 'UNHEALTHY'}"
+             + (f"; {doc['mode']}" if doc.get("mode") else "")
+             + (f", staleness <= {doc['staleness']}" if doc.get("staleness") else ""),
              fmt.format(*head), *(fmt.format(*r) for r in rows)]
     for ev in doc.get("events", [])[-10:]:
         lines.append(f"event: {time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['actor']} {ev['what']}: "

@@ -23,8 +23,13 @@ class Ledger:
             f.write(json.dumps(doc) + "\n")
             f.flush()
 
-    def commit(self, step: int, prompts: list[str], version: int) -> None:
-        self._append({"step": step, "weight_version": version, "prompts": prompts})
+    def commit(self, step: int, prompts: list[str], version: int, behaviour_version: int | None = None) -> None:
+        """``version``: the policy the update starts from; ``behaviour_version``: the (oldest) weights
+        that sampled the batch, behind ``version`` by the step's staleness in async mode."""
+        doc = {"step": step, "weight_version": version, "prompts": prompts}
+        if behaviour_version is not None:
+            doc["behaviour_version"] = behaviour_version
+        self._append(doc)
 
     def rollback(self, to_step: int, why: str) -> None:
         """Void every committed step after ``to_step`` (no-op when none is)."""

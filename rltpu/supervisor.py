@@ -108,6 +108,8 @@ class Supervision:
         doc = {"time": now, "state": self.state, "error": self.error, "run_dir": str(self.run_dir),
                "step": self.step_idx, "steps": self.cfg.trainer.steps, "weight_version": self.version,
                "phase": self._phase, "emulated": getattr(self, "emulated", None), "pod_type": self.table.pod_type,
+               # colocated: each trainer-<rank> process also runs that chip's sampler
+               "mode": self.cfg.placement.mode, "staleness": self.cfg.placement.staleness,
                "heartbeat_timeout_s": self.cfg.health.heartbeat_timeout_s,
                "stale_after_s": max(30.0, 10 * self.cfg.health.poll_s),
                "chips": self.table.to_rows(),
@@ -135,9 +137,9 @@ class Supervision:
             out.append(ex)
         return out
 
-    def _commit_ledger(self) -> None:
+    def _commit_ledger(self, behaviour_version: int | None = None) -> None:
         """Called when a step's batch is handed to the trainers (its update will land)."""
-        self.ledger.commit(self.step_idx, self._drawn, self.version)
+        self.ledger.commit(self.step_idx, self._drawn, self.version, behaviour_version)
         self._drawn = []
 
     # -- fencing --------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ def test_async_staleness_1_learns_within_its_bound(ray_head, tmp_path):
     # overlap, structurally: step k+1's rollout was generated while step k trained, so the
     # controller's wait for it is a small part of the samplers' generate time
     assert statistics.median(r["sample_s"] for r in m[1:]) < 0.5 * statistics.median(r["sampler_busy_s"] for r in m[1:])
-    assert check(read_ledger(tmp_path / "run" / "ledger.jsonl"), 100, 64) == []
+    lines = read_ledger(tmp_path / "run" / "ledger.jsonl")
+    assert check(lines, 100, 64) == []
+    assert all(d["weight_version"] - d["behaviour_version"] == min(d["step"] - 1, 1) for d in lines)
 
 
 def test_colocated_learns_one_process_per_chip(ray_head, tmp_path):
