@@ -37,8 +37,10 @@ Memory (``process_memory``): both engines stay resident at once (a TPU has no sl
 releases HBM between phases), so the report gives RSS now and at peak, the trainer's bytes
 (local parameter shards, gradients, optimizer states; reference model and critic if present),
 the sampler's bytes (its JAX parameters, whether they alias the trainer's, and the KV cache of its
-largest grid cell, which exists only while a generate call runs), and the accelerator's own
-figures when JAX offers them (``None`` on CPU).
+largest grid cell, which exists only while a generate call runs, beside XLA's own temp-buffer
+figure for its compiled programs), ``resident_estimate_bytes`` (their sum while generating), and
+the accelerator's own figures when JAX offers them (``None`` on CPU). On CPU with a tiny model the
+RSS is mostly the runtimes (torch + JAX + XLA, ~0.7 GB per process), not the model.
 
 Testable without Ray (``tests/test_colocated.py``); ``actors/colocated_actor.py`` only wires it.
 """
@@ -272,6 +274,9 @@ def process_memory(trainer=None, sampler=None) -> dict:
            "pid": os.getpid()}
     if dev is None:
         out["device_memory_note"] = "device offers no memory stats (CPU backend): RSS is the figure"
+    # while generating: XLA's temp figure for the program (it holds the KV cache and the loop's other
+    # buffers) when known, else the KV cache alone
+    gen = sm.get("program_temp_bytes") or sm.get("kv_cache_bytes", 0)
     out["resident_estimate_bytes"] = tr.get("total_bytes", 0) + sm.get("param_bytes", 0) \
-        - sm.get("shared_with_trainer_bytes", 0) + sm.get("kv_cache_bytes", 0)
+        - sm.get("shared_with_trainer_bytes", 0) + gen
     return out
