@@ -90,6 +90,10 @@ class ColocatedActor(TrainerActor):
 
         return process_memory(self.engine, self.sampler)
 
+    def claim(self, chips, identity, emulated):
+        """The chip claim, marked: this one process holds both engines on these chips."""
+        return super().claim(chips, identity, emulated) | {"colocated": True, "engines": ["trainer", "sampler"]}
+
     def report(self) -> dict:
         return self.rt.report() | {"weight_version": self.weight_version(), "colocated": True,
                                    "engines": ["trainer", "sampler"], "memory": self.memory()}

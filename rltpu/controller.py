@@ -116,7 +116,7 @@ class Controller(Supervision):
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.yaml")
-        needed = self.cfg.placement.sampler_chips + self.cfg.placement.trainer_chips
+        needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
         self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, self.address)
         import ray
 
@@ -450,7 +450,7 @@ class Controller(Supervision):
             "sample_program_s": max(o["program_seconds"] for o in outs),
             "sample_host_s": max(o["host_seconds"] for o in outs),
             "padding_frac": padded / max(total, 1),
-            "sync_bytes": sync["bytes"], "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
+            "sync_bytes": sync["bytes"], "sync_copied_bytes": sync.get("copied_bytes"), "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
             "sync_generation": self.sync_generation, "sampler_weight_versions": list(self.sampler_versions), "sync_zero_copy_frac": sync["zero_copy_frac"], "sampler_versions": sorted({int(v) for v in gen["versions"]}),
             "sync_probe_max_diff": probe, "data_epoch": self.data.cursor.epoch, "data_position": self.data.cursor.position,
         }
@@ -556,7 +556,10 @@ class Controller(Supervision):
         trainer ranks FSDP's all-gather assembles the full tensors first); no sync fabric."""
         out = self._ray.get([t.publish_local.remote(version) for t in self.trainers])
         self.sampler_versions = [int(o["version"]) for o in out]
-        return {"seconds": time.perf_counter() - t0, "bytes": sum(o["bytes"] for o in out),
+        # bytes: what crossed between processes (FSDP's all-gather; 0 with one rank); copied: the
+        # in-process snapshot the sampler adopts
+        return {"seconds": time.perf_counter() - t0, "bytes": sum(o["gathered_bytes"] for o in out),
+                "copied_bytes": sum(o.get("copied_bytes", 0) for o in out),
                 "buckets": sum(o.get("buckets", 0) for o in out),
                 "ici_bytes": sum(o["link_bytes"]["ici"] for o in out),
                 "dcn_bytes": sum(o["link_bytes"]["dcn"] for o in out),
