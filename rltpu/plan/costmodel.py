@@ -4,9 +4,11 @@ Every number is a closed formula over the model shape, the workload and a ``Hard
 tests can recompute it by hand. Roofline on TPU: decode is bandwidth-bound (weights + KV cache
 streamed once per token), prefill and training are FLOP-bound at a stated efficiency, collectives
 are bytes over the link they cross (ICI inside a slice, DCN between slices) at a stated efficiency.
-On the ``cpu`` entry a phase runs at the GEMM FLOP/s measured at the model's width times the
-efficiency the micro-benchmark's probes reached (a width-256 Llama through rltpu's own sampler,
-eager trainer and FSDP2 trainer), plus gloo latency per collective and a Ray round trip per phase.
+On the ``cpu`` entry every phase comes from probes of rltpu's own calls on this machine: sampling
+at the GEMM FLOP/s measured at the model's width times the sampler probe's efficiency; training
+as the measured ``train_step`` line (fixed seconds per update + FLOPs at the marginal rate); the
+weight sync as the measured ``send_shards``/``receive_staged`` line (fixed seconds + messages x
+gloo latency + bytes at the fitted rate); plus the measured Ray fan-out per phase.
 
 Memory (bytes per chip), FSDP over ``f`` trainer chips (all of them shard every tensor):
     weights  P*b/f     grads  P*b/f     AdamW states  2*P*b/f (torch keeps them in the param dtype)
@@ -205,20 +207,77 @@ def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, 
 
 
 def cpu_efficiency(hw: Hardware, kind: str, width: int | None = None) -> float:
-    """Fraction of the GEMM rate a whole program reached in the micro-benchmark's probes (a small
-    Llama through rltpu's own code): the compiled sampler, an eager training step, or the same
-    step as 2 FSDP2 ranks. The sampler was probed at several widths: the one nearest ``width``
-    (log scale) is used. Capped at 1."""
+    """Fraction of the GEMM rate the compiled sampler reached in the micro-benchmark's probe (a
+    small Llama through rltpu's own ``SamplerEngine``). It was probed at several widths: the one
+    nearest ``width`` (log scale) is used. Capped at 1."""
     cpu = hw.cpu
-    probe, framework = {"sample": ("jax_sample_probe_flops", "jax"), "train": ("torch_train_probe_flops", "torch"),
-                        "train_fsdp": ("fsdp_train_probe_flops", "torch")}[kind]
     from rltpu.plan.microbench import PROBE
 
-    by_width = cpu.get(probe + "_by_width") if width else None
+    if kind != "sample":
+        raise ValueError(f"no efficiency probe for {kind!r}; training uses cpu_train_fit")
+    by_width = cpu.get("jax_sample_probe_flops_by_width") if width else None
     if by_width:
         w = min(by_width, key=lambda k: abs(math.log(int(k) / width)))
-        return min(1.0, by_width[w] / hw.gemm_flops(int(w), framework))
-    return min(1.0, cpu[probe] / hw.gemm_flops(PROBE["hidden_size"], framework))
+        return min(1.0, by_width[w] / hw.gemm_flops(int(w), "jax"))
+    return min(1.0, cpu["jax_sample_probe_flops"] / hw.gemm_flops(PROBE["hidden_size"], "jax"))
+
+
+def _log_interp(table: dict[str, float], x: float) -> float:
+    """``table`` (width -> value) at ``x``, linear in log(width) between measured widths, clamped
+    to the end values outside them."""
+    pts = sorted((int(k), v) for k, v in table.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            a = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + a * (y1 - y0)
+    return pts[-1][1]
+
+
+def cpu_train_fit(hw: Hardware, fsdp: int, width: int, layers: int) -> tuple[float, float]:
+    """(fixed seconds per update, marginal FLOP/s) of ``TrainerEngine.train_step`` on this CPU,
+    from the micro-benchmark's fit over two batch sizes of 2-layer probe Llamas (single process,
+    or 2 FSDP2 ranks over gloo when ``fsdp`` > 1), interpolated in log(width); the fixed part
+    grows by the measured seconds per layer beyond 2. The rate is capped at the GEMM rate."""
+    fit = hw.cpu["fsdp_train_steps" if fsdp > 1 else "train_steps"]
+    fixed = _log_interp(fit["fixed_s"], width) + (layers - 2) * fit["per_layer_s"]
+    # a slope steeper than the bare GEMM rate is noise in the two points: no step beats its GEMMs
+    rate = min(_log_interp(fit["flops"], width), hw.gemm_flops(width, "torch"))
+    return max(fixed, 0.0), rate
+
+
+def ray_fanout_s(hw: Hardware, n: int) -> float:
+    """Round trip of ``n`` actor calls gathered by one ``ray.get`` (measured for 1, 2 and 4 actors;
+    linear between them and beyond)."""
+    ray = hw.cpu["ray"]
+    pts = [(1, ray["call_s"]), *([(2, ray["fanout2_s"])] if "fanout2_s" in ray else []), (4, ray["fanout4_s"])]
+    for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+        if n <= n1 or (n1, t1) == pts[-1]:
+            return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 0.0)
+    return pts[0][1]
+
+
+def cpu_sync_fit(hw: Hardware, crowded: bool) -> tuple[float, float, float]:
+    """(fixed seconds, bytes/s, seconds per message) of one weight sync on this CPU, from the
+    micro-benchmark's real sync (``send_shards`` from 2 FSDP2 trainers to 2 samplers running
+    ``receive_staged`` + ``torch_to_jax``) at two model sizes. The per-message cost is the gloo
+    broadcast latency measured with as many processes as the sync has (``gloo4`` when they
+    outnumber the cores); the two sizes' difference in time, less their difference in messages
+    times that latency, over their difference in bytes is the byte rate; what is left of the
+    smaller one is the fixed cost (handshake and verdict all-gathers, checksums, shard views,
+    staging, the torch -> JAX hand-over)."""
+    cpu = hw.cpu
+    g = cpu["gloo4" if crowded and "gloo4" in cpu else "gloo"]
+    lat = g["bcast_latency_s"]
+    probe = cpu["sync_probe"]["by_width"]
+    a, b = (probe[k] for k in sorted(probe, key=int)[:1] + sorted(probe, key=int)[-1:])
+    dt = b["seconds"] - a["seconds"] - (b["messages"] - a["messages"]) * lat
+    if dt <= 0:  # the latency estimate swallowed the difference (noise): charge it all to bytes
+        lat, dt = 0.0, b["seconds"] - a["seconds"]
+    bw = (b["bytes"] - a["bytes"]) / max(dt, 1e-9)
+    fixed = max(a["seconds"] - a["bytes"] / bw - a["messages"] * lat, 0.0)
+    return fixed, bw, lat
 
 
 def matmul_passes(hw: Hardware, m: ModelShape, w: Workload, training: bool = False) -> int:
@@ -275,10 +334,13 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb + sb) * m.params * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
     opt_bytes = w.ppo_epochs * 7 * m.params * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
-    if hw.emulated:  # the GEMM rate at this width x the efficiency the (FSDP) training probe reached
-        rate = hw.gemm_flops(H, "torch") * cpu_efficiency(hw, "train_fsdp" if fsdp > 1 else "train")
-        out["compute"] = flops / rate  # incl. elementwise, eager dispatch, loss, AdamW, FSDP collectives
-        out["dispatch"] = hw.cpu["ray"]["call_s"]
+    if hw.emulated:  # the measured train_step line: fixed seconds per update + FLOPs at the marginal rate
+        fixed, rate = cpu_train_fit(hw, fsdp, H, L)
+        out["compute"] = flops / rate  # incl. elementwise work, loss, backward, FSDP traffic per token
+        # per update: kernel dispatch per layer, AdamW over every tensor, FSDP's per-layer
+        # all-gathers / reduce-scatters, micro-batch planning; once per epoch (and per critic update)
+        out["fixed"] = fixed * w.ppo_epochs * (2 if w.critic else 1)
+        out["dispatch"] = ray_fanout_s(hw, fsdp * tp)  # the controller's train_step calls, one ray.get
         return out
     passes = matmul_passes(hw, m, w, training=True)
     compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)
@@ -329,16 +391,26 @@ def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slic
                             W * (f - 1) / f, W * (f - 1) / f / bw + lat))
         return hops
     if hw.emulated:
-        crowded = f + n_samplers > hw.cpu["cores"] and "gloo4" in hw.cpu
-        g = hw.cpu["gloo4" if crowded else "gloo"]  # more processes than cores: measured with 4 on the cores
+        crowded = f + n_samplers > hw.cpu["cores"]
         msgs = stream_messages(m, f, w.bucket_mb)
-        payload = max(n_samplers * shard, W) / g["bcast_bw"]  # a sender's fan-out, or a receiver's W
-        hops.append(Hop("handshake + verdict all-gathers", "loopback", "all", "all", 0.0,
-                        2 * g["allgather_latency_s"]))
-        hops.append(Hop(f"{f} shard streams, {msgs} messages + checksum each, one-to-all", "loopback",
-                        f"{f} trainers", f"{n_samplers} samplers", n_samplers * W,
-                        (msgs + 1) * g["bcast_latency_s"] + payload))
-        hops.append(Hop("Ray dispatch of push/receive", "local", "driver", "actors", 0.0, hw.cpu["ray"]["fanout4_s"]))
+        if "sync_probe" in hw.cpu:  # the real sync, measured: fixed + messages x latency + bytes / rate
+            fixed, bw, lat = cpu_sync_fit(hw, crowded)
+            # the probe's 2 trainers x 2 samplers put W on every sampler and n x shard on every trainer
+            payload = max(n_samplers * shard, W) / bw
+            hops.append(Hop("handshake, checksums, verdict, staging, torch->JAX (measured fixed cost)",
+                            "loopback", "all", "all", 0.0, fixed))
+            hops.append(Hop(f"{f} shard streams, {msgs} messages each, one-to-all", "loopback",
+                            f"{f} trainers", f"{n_samplers} samplers", n_samplers * W, msgs * lat + payload))
+        else:  # older micro-benchmark: gloo collectives only
+            g = hw.cpu["gloo4" if crowded and "gloo4" in hw.cpu else "gloo"]
+            payload = max(n_samplers * shard, W) / g["bcast_bw"]  # a sender's fan-out, or a receiver's W
+            hops.append(Hop("handshake + verdict all-gathers", "loopback", "all", "all", 0.0,
+                            2 * g["allgather_latency_s"]))
+            hops.append(Hop(f"{f} shard streams, {msgs} messages + checksum each, one-to-all", "loopback",
+                            f"{f} trainers", f"{n_samplers} samplers", n_samplers * W,
+                            (msgs + 1) * g["bcast_latency_s"] + payload))
+        hops.append(Hop("Ray dispatch of push/receive", "local", "driver", "actors", 0.0,
+                        ray_fanout_s(hw, f + n_samplers)))
         return hops
     ici, dcn = hw.ici_bw * hw.link_eff, hw.dcn_bw * hw.link_eff
     by_src = {t: trainer_slices.count(t) for t in sorted(set(trainer_slices))}

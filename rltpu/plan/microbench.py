@@ -15,10 +15,16 @@ thread), so everything here runs single-threaded on one pinned core:
 * gloo on loopback: 2 processes on 2 cores; broadcast latency (8 bytes), broadcast bandwidth
   (16 MiB), all-gather latency (8 bytes).
 * gloo again with 4 processes on the 2 cores (a sync group larger than the core count).
-* Ray: the round trip of a no-op actor call, alone and fanned out to 4 actors.
-* probes: one eager torch training step and one compiled sampler call of a small Llama (width
-  256) through rltpu's own code; their FLOP/s over the GEMM rate at that width is the efficiency
-  whole programs reach here.
+* Ray: the round trip of a no-op actor call, alone and fanned out to 2 and 4 actors.
+* sampler probe: one compiled sampler call of a small Llama through rltpu's own ``SamplerEngine``
+  at several widths; its FLOP/s over the GEMM rate at that width is the efficiency the decode
+  loop reaches here.
+* train-step probe: ``TrainerEngine.train_step`` (the trainer actor's own call) on small Llamas at
+  several widths, one process and 2 FSDP2 ranks over gloo, at a small and a large batch: the line
+  through the two gives the fixed seconds per update and the marginal FLOP/s.
+* weight-sync probe: the real ``send_shards`` / ``receive_staged`` + ``torch_to_jax`` between 2
+  FSDP2 trainer processes and 2 sampler processes, at two model sizes: fixed seconds per sync and
+  bytes/s (after the per-message gloo latency).
 
 Nothing here reads a run's metrics: the figures describe the machine, not the quickstart.
 Results are cached per machine (``RLTPU_CACHE_DIR`` or ``~/.cache/rltpu``); the machine is shared,
@@ -38,7 +44,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 3
+BENCH_VERSION = 4
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -128,87 +134,14 @@ def _probe_flops(train: bool, width: int = PROBE["hidden_size"]) -> float:
     return 2 * m.matmul_params * R * P + 4 * R * P * P * H * L + T * (2 * m.matmul_params * R + 4 * R * S * H * L)
 
 
-_FSDP_PROBE = r"""
-import os, sys, json
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-os.sched_setaffinity(0, {rank % os.cpu_count()})
-os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-from learner.fsdp import parallelize_llama
-from rltpu.plan.microbench import bench_torch_train_probe
-mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-res = bench_torch_train_probe(wrap=lambda m: parallelize_llama(m, mesh), barrier=dist.barrier)
-if rank == 0: print(json.dumps(res))
-dist.destroy_process_group()
-"""
-
-
-def bench_fsdp_train_probe() -> float:
-    """The training probe as 2 FSDP2 ranks over gloo, one pinned core each (how trainers run
-    here): adds the per-layer all-gathers, reduce-scatters and DTensor bookkeeping."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", _FSDP_PROBE, str(r), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    if procs[0].returncode:
-        raise RuntimeError(f"FSDP probe failed: {outs[0][1].strip().splitlines()[-1:]}")
-    return float(json.loads(outs[0][0].strip().splitlines()[-1]))
-
-
-def bench_torch_train_probe(wrap=None, barrier=None) -> float:
-    """FLOP/s of one eager training step (forward, log-softmax loss, backward, clip, AdamW)."""
-    import torch
-
-    from rltpu.config import ModelConfig
-    from rltpu.models.torch_llama import LlamaForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(**PROBE), PROBE_VOCAB)
-    if wrap is not None:
-        model = wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    S = PROBE_PROMPT + PROBE_NEW
-    ids = torch.randint(3, PROBE_VOCAB, (PROBE_ROWS, S))
-    pos = torch.arange(S).expand(PROBE_ROWS, S)
-    mask = torch.ones(PROBE_ROWS, S, dtype=torch.long)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logp = torch.log_softmax(model(ids, pos, mask)[:, :-1], -1)
-        loss = -logp.gather(-1, ids[:, 1:, None]).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    if barrier is None:
-        return _probe_flops(train=True) / _best(step, reps=5, min_s=0.2)
-    step()  # ranks in lock-step: a fixed number of steps each, best of 5 rounds
-    best = float("inf")
-    for _ in range(5):
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        best = min(best, (time.perf_counter() - t0) / 3)
-    return _probe_flops(train=True) / best
-
-
 SAMPLE_PROBE_WIDTHS = (128, 256, 512)
 
 
-def probe_dims(width: int) -> dict:
+def probe_dims(width: int, layers: int = 2) -> dict:
     """The probe Llama at another width (2 layers, intermediate 2x, 64-wide heads, GQA 2:1)."""
     heads = max(2, width // 64)
     return dict(PROBE, hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
-                num_key_value_heads=max(1, heads // 2))
+                num_key_value_heads=max(1, heads // 2), num_hidden_layers=layers)
 
 
 def bench_jax_sample_probes() -> dict[str, float]:
@@ -241,6 +174,213 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
         full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
         best = min(best, out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
     return _probe_flops(train=False, width=width) / best
+
+
+# -- whole-step probes through rltpu's own code, fitted as fixed seconds + work / rate --------------
+#
+# A training step or a weight sync of a small model is mostly fixed cost (eager dispatch of every
+# kernel, FSDP's per-layer all-gathers and reduce-scatters, AdamW over every tensor, gloo round
+# trips, the sync handshake and verdict), so a FLOP/s efficiency alone misses it. These probes run
+# the real calls (``TrainerEngine.train_step`` on FSDP2 ranks; ``send_shards`` / ``receive_staged``
+# between trainer and sampler processes) at two sizes each and fit a line: the intercept is the
+# fixed cost, the slope the marginal rate. The cost model adds the two.
+
+TRAIN_PROBE_WIDTHS = (128, 512)
+TRAIN_PROBE_PROMPT, TRAIN_PROBE_NEW, TRAIN_PROBE_VOCAB = 8, 4, 32
+TRAIN_PROBE_STEPS = 7
+TRAIN_PROBE_SMALL_ROWS = 4
+
+
+def train_probe_rows(width: int) -> int:
+    """Rows per rank of the large probe batch: 256 at width 128, fewer for wider models, so each
+    probe step stays near 0.2-0.3 s on one core."""
+    return max(16, int(256 * (128 / width) ** 2))
+
+
+def _train_batch(rows: int, world: int, seed: int) -> dict:
+    """One rank's share of a GRPO batch as ``split_by_rank`` hands it to ``train_step``."""
+    import numpy as np
+
+    P, T, V = TRAIN_PROBE_PROMPT, TRAIN_PROBE_NEW, TRAIN_PROBE_VOCAB
+    rng = np.random.default_rng(seed)
+    am = np.ones((rows, P + T), np.int64)
+    am[:, :2] = 0  # left-padded prompts
+    lm = np.zeros((rows, P + T), np.float32)
+    lm[:, P:] = 1
+    return {"tokens": rng.integers(3, V, (rows, P + T)).astype(np.int64),
+            "position_ids": np.maximum(np.cumsum(am, 1) - 1, 0).astype(np.int64), "attention_mask": am,
+            "loss_mask": lm, "old_logprobs": (-rng.random((rows, P + T)) * lm).astype(np.float32),
+            "advantages": (rng.standard_normal((rows, P + T)) * lm).astype(np.float32), "max_new_tokens": T,
+            "global_tokens": float(lm.sum() * world), "global_seqs": float(rows * world)}
+
+
+def train_probe_flops(width: int, layers: int, rows: int) -> float:
+    """The cost model's training FLOPs for one rank's probe batch (``costmodel.train_seconds``)."""
+    from rltpu.config import ModelConfig
+    from rltpu.plan.costmodel import ModelShape
+
+    m = ModelShape.from_config(ModelConfig(**probe_dims(width, layers)), TRAIN_PROBE_VOCAB)
+    S = TRAIN_PROBE_PROMPT + TRAIN_PROBE_NEW
+    tokens = rows * S
+    return 6 * m.matmul_params * tokens + 12 * tokens * S * m.hidden * m.layers
+
+
+def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) -> dict:
+    """``TrainerEngine.train_step`` (forward, log-softmax loss, backward, clip, AdamW; FSDP2 over
+    ``mesh`` when given) on 2-layer probe Llamas at each width, a small and a large batch, plus a
+    4-layer one at width 128 with the small batch. Per width: ``fixed_s`` (the line's intercept at
+    zero FLOPs, 2 layers), ``flops`` (its slope as FLOP/s); ``per_layer_s``: the small batch's
+    extra seconds per layer from 2 to 4 layers. Each point is the median of 7 lock-stepped steps:
+    a run's figure is a median over its steps, on the same shared cores."""
+    import torch
+
+    from rltpu.config import ModelConfig, TrainerConfig
+    from learner.trainer import TrainerEngine
+
+    torch.set_num_threads(1)
+    tcfg = TrainerConfig(lr=1e-3, grad_clip=1.0)
+
+    def timed(width, layers, rows):
+        eng = TrainerEngine(ModelConfig(**probe_dims(width, layers)), tcfg, TRAIN_PROBE_VOCAB, 0, 1.0,
+                            mesh=mesh, device="cpu")
+        batch = _train_batch(rows, world, rank)
+        eng.train_step(batch)  # warm-up: allocations, FSDP lazy init
+        times = []
+        for _ in range(TRAIN_PROBE_STEPS):  # ranks in lock-step; the median step, as --against reads a run
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            eng.train_step(batch)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    out: dict = {"fixed_s": {}, "flops": {}}
+    small2 = None
+    for w in TRAIN_PROBE_WIDTHS:
+        rs, rb = TRAIN_PROBE_SMALL_ROWS, train_probe_rows(w)
+        ts, tb = timed(w, 2, rs), timed(w, 2, rb)
+        fs, fb = train_probe_flops(w, 2, rs), train_probe_flops(w, 2, rb)
+        slope = max((tb - ts) / (fb - fs), 1e-15)  # seconds per FLOP
+        out["flops"][str(w)] = 1 / slope
+        out["fixed_s"][str(w)] = max(ts - fs * slope, 0.0)
+        if w == TRAIN_PROBE_WIDTHS[0]:
+            small2 = ts
+    t4 = timed(TRAIN_PROBE_WIDTHS[0], 4, TRAIN_PROBE_SMALL_ROWS)
+    extra_flops = (train_probe_flops(TRAIN_PROBE_WIDTHS[0], 4, TRAIN_PROBE_SMALL_ROWS)
+                   - train_probe_flops(TRAIN_PROBE_WIDTHS[0], 2, TRAIN_PROBE_SMALL_ROWS))
+    out["per_layer_s"] = max((t4 - small2 - extra_flops / out["flops"][str(TRAIN_PROBE_WIDTHS[0])]) / 2, 0.0)
+    return out
+
+
+_FSDP_STEPS = r"""
+import os, sys, json
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, {rank % os.cpu_count()})
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from rltpu.plan.microbench import bench_train_steps
+mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+res = bench_train_steps(2, mesh, dist.barrier, rank)
+if rank == 0: print(json.dumps(res))
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_procs(script: str, argvs: list[list[str]], what: str, timeout: float = 300) -> dict:
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", script, *a], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in argvs]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    bad = [i for i, p in enumerate(procs) if p.returncode]
+    if bad:
+        raise RuntimeError(f"{what} failed: {outs[bad[0]][1].strip().splitlines()[-1:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def bench_fsdp_train_steps() -> dict:
+    """``bench_train_steps`` as 2 FSDP2 ranks over gloo, one pinned core each (how trainers run here)."""
+    port = _free_port()
+    return _run_procs(_FSDP_STEPS, [[str(r), str(port)] for r in range(2)], "FSDP train-step probe")
+
+
+SYNC_PROBE_WIDTHS = (128, 512)
+
+_SYNC_PROBE = r"""
+import os, sys, json, time
+p, store_port, pg_port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+M, N = 2, 2  # trainers (sync ranks 0..1), samplers (2..3)
+# chips as rltpu train hands them out: samplers first (chips 0..N-1), then trainers; chip -> core
+chip = N + p if p < M else p - M
+os.sched_setaffinity(0, {chip % os.cpu_count()})
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+from rltpu.config import ModelConfig
+from rltpu.plan.microbench import probe_dims, TRAIN_PROBE_VOCAB as V
+from rltpu.weight_sync import (SyncFabric, host_store, plan_route, param_spec, local_shards, send_shards,
+                               receive_staged, torch_to_jax)
+host, bucket, out = "127.0.0.1", 16 * 2**20, {}
+if p == 0:
+    host_store(host, store_port, 120)
+fabric = SyncFabric(host, store_port, 1, p, plan_route([0] * M, [0] * N), 120)
+if p < M:
+    from torch.distributed.device_mesh import DeviceMesh
+    from learner.fsdp import parallelize_llama
+    from rltpu.models.torch_llama import LlamaForCausalLM
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=p, world_size=M)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+version = 0
+for width in json.loads(sys.argv[4]):
+    mcfg = ModelConfig(**probe_dims(width))
+    spec = param_spec(mcfg, V)
+    if p < M:
+        model = parallelize_llama(LlamaForCausalLM(mcfg, V), mesh)
+    spans = []
+    for i in range(12):
+        version += 1
+        fabric.allgather(torch.zeros(1), "barrier")
+        t0 = time.perf_counter()
+        if p < M:
+            shards = local_shards(model, [n for n, _, _ in spec])
+            stats = send_shards(fabric, shards, spec, version, bucket)
+        else:
+            tensors, stats = receive_staged(fabric, spec, version, bucket)
+            params = torch_to_jax(tensors)
+        t1 = time.perf_counter()
+        ends = fabric.allgather(torch.tensor([t0, t1], dtype=torch.float64), "timing")
+        spans.append(max(float(e[1]) for e in ends) - min(float(e[0]) for e in ends))
+    if p == 0:
+        W = sum(n for n in [__import__("math").prod(s) for _, s, _ in spec]) * 4
+        out[str(width)] = {"seconds": sorted(spans[2:])[len(spans[2:]) // 2], "bytes": W,
+                           "messages": stats["buckets"]}
+if p == 0: print(json.dumps(out))
+"""
+
+
+def bench_sync_probe() -> dict:
+    """The weight sync itself, 2 trainers (FSDP2 shards, ``send_shards``) to 2 samplers
+    (``receive_staged`` + ``torch_to_jax``), 4 processes on the cores as ``rltpu train`` pins
+    them, for 2-layer probe Llamas at two widths. Per width: the median wall span of one sync
+    (first call to last return, after a barrier), the model's bytes and one stream's messages;
+    ``fixed_s`` and ``bytes_per_s`` are the line through the two."""
+    ports = [_free_port(), _free_port()]
+    widths = json.dumps(list(SYNC_PROBE_WIDTHS))
+    res = _run_procs(_SYNC_PROBE, [[str(p), str(ports[0]), str(ports[1]), widths] for p in range(4)],
+                     "weight-sync probe")
+    a, b = (res[str(w)] for w in SYNC_PROBE_WIDTHS)
+    slope = max((b["seconds"] - a["seconds"]) / (b["bytes"] - a["bytes"]), 1e-15)
+    return {"by_width": res, "bytes_per_s": 1 / slope, "fixed_s": max(a["seconds"] - a["bytes"] * slope, 0.0),
+            "trainers": 2, "samplers": 2}
 
 
 def bench_mem_bw() -> float:
@@ -316,10 +456,11 @@ def bench_ray_call() -> dict[str, float]:
         actors = [Echo.remote() for _ in range(4)]
         ray.get([a.f.remote() for a in actors])
         one = _best(lambda: ray.get(actors[0].f.remote()), reps=3, min_s=0.2)
+        two = _best(lambda: ray.get([a.f.remote() for a in actors[:2]]), reps=3, min_s=0.2)
         four = _best(lambda: ray.get([a.f.remote() for a in actors]), reps=3, min_s=0.2)
     finally:
         ray.shutdown()
-    return {"call_s": one, "fanout4_s": four}
+    return {"call_s": one, "fanout2_s": two, "fanout4_s": four}
 
 
 def machine_key() -> str:
@@ -347,11 +488,12 @@ def run_all() -> dict:
         "mem_bw": bench_mem_bw(),
         "gloo": bench_gloo(2),
         "gloo4": bench_gloo(4),
-        "torch_train_probe_flops": bench_torch_train_probe(),
-        "fsdp_train_probe_flops": bench_fsdp_train_probe(),
         "jax_sample_probe_flops": bench_jax_sample_probe(),
         "jax_sample_probe_flops_by_width": bench_jax_sample_probes(),
         "ray": bench_ray_call(),
+        "train_steps": bench_train_steps(1),
+        "fsdp_train_steps": bench_fsdp_train_steps(),
+        "sync_probe": bench_sync_probe(),
     }
     res["bench_seconds"] = time.perf_counter() - t0
     return res
