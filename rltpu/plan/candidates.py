@@ -181,7 +181,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     # -- time
     oversub_s = max(1.0, n_s / hw.cpu["cores"]) if hw.emulated else 1.0  # emulated chips share cores
     oversub_t = max(1.0, n_t / hw.cpu["cores"]) if hw.emulated else 1.0
-    sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s)
+    sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s, n_samplers=n_s)
     if c.reward_on == "trainer" and "reward_model" in sample:
         sample.pop("reward_model")
     train = cm.train_seconds(hw, m, w, n_t, c.trainer_tp, rows_t, c.checkpointing, fsdp_link,
@@ -193,7 +193,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     sample_s = sum(sample.values()) * oversub_s
     train_s = sum(train.values()) * oversub_t
     sync_s = sum(h.seconds for h in c.route)
-    host_s = w.rows * cm.HOST_S_PER_ROW
+    host_s = w.rows * cm.host_s_per_row(hw)
     if c.reward_on == "own chips" and w.reward_params:  # the reward group scores every completion
         rate = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu
         host_s += 2 * w.reward_params * w.rows * w.seq / (rate * max(1, w.reward_chips))

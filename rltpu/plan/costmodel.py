@@ -30,7 +30,16 @@ from rltpu.plan.hardware import GiB, Hardware
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PRECISION_PASSES = {"medium": 1, "high": 3, "highest": 6}  # MXU passes for fp32 inputs (hardware md)
 
-HOST_S_PER_ROW = 20e-6  # driver: decode + reward_fn + advantages per completion (stated)
+HOST_S_PER_ROW = 20e-6  # driver: decode + reward_fn + advantages per completion (stated; TPU entries)
+
+
+def host_s_per_row(hw: Hardware) -> float:
+    """The driver's work per row between sampling and training (``build_train_batch``): measured
+    on the cpu entry (its draw/score work is charged to the sample phase, where the controller
+    times it); the stated ``HOST_S_PER_ROW`` for everything elsewhere."""
+    if hw.emulated and "driver" in (hw.cpu or {}):
+        return hw.cpu["driver"]["host_s_per_row"]
+    return HOST_S_PER_ROW
 COMPILE_BASE_S, COMPILE_PER_LAYER_S = 3.0, 1.0  # one XLA program; rough assumption, not calibrated
 
 
@@ -288,7 +297,8 @@ def matmul_passes(hw: Hardware, m: ModelShape, w: Workload, training: bool = Fal
     return PRECISION_PASSES[w.precision]
 
 
-def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, float]:
+def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int,
+                   n_samplers: int = 1) -> dict[str, float]:
     """One sampler replica: prefill of ``rows`` prompts, then ``new_tokens`` decode steps.
 
     The compiled loop runs every step of the bucket (rows stop early only when all of them do).
@@ -303,7 +313,9 @@ def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int)
         rate = hw.gemm_flops(H, "jax") * cpu_efficiency(hw, "sample", H)
         out["prefill"] = f_prefill / rate
         out["decode"] = T * f_step / rate
-        out["dispatch"] = hw.cpu["ray"]["call_s"]
+        out["dispatch"] = ray_fanout_s(hw, n_samplers)  # the controller's generate calls, one ray.get
+        if "driver" in hw.cpu:  # the controller draws, merges and scores every row inside this phase
+            out["driver"] = w.rows * hw.cpu["driver"]["sample_s_per_row"]
         return out
     peak = hw.peak_flops * tp / passes
     out["prefill"] = f_prefill / (peak * hw.prefill_mfu)

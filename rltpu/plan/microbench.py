@@ -16,6 +16,8 @@ thread), so everything here runs single-threaded on one pinned core:
   (16 MiB), all-gather latency (8 bytes).
 * gloo again with 4 processes on the 2 cores (a sync group larger than the core count).
 * Ray: the round trip of a no-op actor call, alone and fanned out to 2 and 4 actors.
+* driver: the controller's own per-row work (draw, encode, merge, decode and score; then
+  ``build_train_batch``) on the default task.
 * sampler probe: one compiled sampler call of a small Llama through rltpu's own ``SamplerEngine``
   at several widths; its FLOP/s over the GEMM rate at that width is the efficiency the decode
   loop reaches here.
@@ -44,7 +46,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 4
+BENCH_VERSION = 7
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -168,12 +170,12 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
     eng.set_params(params_from_torch(init_state_dict(mcfg, PROBE_VOCAB, 0)), 0)
     prompts = [[1, *range(3, 3 + PROBE_PROMPT - 1)] for _ in range(PROBE_ROWS // G)]
     eng.generate(prompts, G, 0)  # compile
-    best = float("inf")
-    for i in range(7):
+    times = []
+    for i in range(15):  # the median call, as --against reads a run
         out = eng.generate(prompts, G, i + 1)
         full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
-        best = min(best, out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
-    return _probe_flops(train=False, width=width) / best
+        times.append(out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
+    return _probe_flops(train=False, width=width) / sorted(times)[len(times) // 2]
 
 
 # -- whole-step probes through rltpu's own code, fitted as fixed seconds + work / rate --------------
@@ -187,7 +189,7 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
 
 TRAIN_PROBE_WIDTHS = (128, 512)
 TRAIN_PROBE_PROMPT, TRAIN_PROBE_NEW, TRAIN_PROBE_VOCAB = 8, 4, 32
-TRAIN_PROBE_STEPS = 7
+TRAIN_PROBE_STEPS = 9
 TRAIN_PROBE_SMALL_ROWS = 4
 
 
@@ -230,8 +232,9 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
     ``mesh`` when given) on 2-layer probe Llamas at each width, a small and a large batch, plus a
     4-layer one at width 128 with the small batch. Per width: ``fixed_s`` (the line's intercept at
     zero FLOPs, 2 layers), ``flops`` (its slope as FLOP/s); ``per_layer_s``: the small batch's
-    extra seconds per layer from 2 to 4 layers. Each point is the median of 7 lock-stepped steps:
-    a run's figure is a median over its steps, on the same shared cores."""
+    extra seconds per layer from 2 to 4 layers. Each point is the median of 9 steps, the points
+    interleaved round by round (so a burst of load elsewhere hits all of them, not one end of the
+    line) and the ranks in lock-step: a run's figure is a median over its steps."""
     import torch
 
     from rltpu.config import ModelConfig, TrainerConfig
@@ -240,35 +243,36 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
     torch.set_num_threads(1)
     tcfg = TrainerConfig(lr=1e-3, grad_clip=1.0)
 
-    def timed(width, layers, rows):
+    w0, rs = TRAIN_PROBE_WIDTHS[0], TRAIN_PROBE_SMALL_ROWS
+    points = [(w, 2, r) for w in TRAIN_PROBE_WIDTHS for r in (rs, train_probe_rows(w))] + [(w0, 4, rs)]
+    engines = {}
+    for width, layers, rows in points:
         eng = TrainerEngine(ModelConfig(**probe_dims(width, layers)), tcfg, TRAIN_PROBE_VOCAB, 0, 1.0,
                             mesh=mesh, device="cpu")
         batch = _train_batch(rows, world, rank)
         eng.train_step(batch)  # warm-up: allocations, FSDP lazy init
-        times = []
-        for _ in range(TRAIN_PROBE_STEPS):  # ranks in lock-step; the median step, as --against reads a run
-            if barrier is not None:
+        engines[(width, layers, rows)] = (eng, batch)
+    times: dict = {p: [] for p in points}
+    for _ in range(TRAIN_PROBE_STEPS):  # the points interleaved: each round sees the same load on every one
+        for p in points:
+            eng, batch = engines[p]
+            if barrier is not None:  # ranks in lock-step
                 barrier()
             t0 = time.perf_counter()
             eng.train_step(batch)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+            times[p].append(time.perf_counter() - t0)
+    med = {p: sorted(t)[len(t) // 2] for p, t in times.items()}  # as --against reads a run: median step
 
     out: dict = {"fixed_s": {}, "flops": {}}
-    small2 = None
     for w in TRAIN_PROBE_WIDTHS:
-        rs, rb = TRAIN_PROBE_SMALL_ROWS, train_probe_rows(w)
-        ts, tb = timed(w, 2, rs), timed(w, 2, rb)
+        rb = train_probe_rows(w)
+        ts, tb = med[(w, 2, rs)], med[(w, 2, rb)]
         fs, fb = train_probe_flops(w, 2, rs), train_probe_flops(w, 2, rb)
         slope = max((tb - ts) / (fb - fs), 1e-15)  # seconds per FLOP
         out["flops"][str(w)] = 1 / slope
         out["fixed_s"][str(w)] = max(ts - fs * slope, 0.0)
-        if w == TRAIN_PROBE_WIDTHS[0]:
-            small2 = ts
-    t4 = timed(TRAIN_PROBE_WIDTHS[0], 4, TRAIN_PROBE_SMALL_ROWS)
-    extra_flops = (train_probe_flops(TRAIN_PROBE_WIDTHS[0], 4, TRAIN_PROBE_SMALL_ROWS)
-                   - train_probe_flops(TRAIN_PROBE_WIDTHS[0], 2, TRAIN_PROBE_SMALL_ROWS))
-    out["per_layer_s"] = max((t4 - small2 - extra_flops / out["flops"][str(TRAIN_PROBE_WIDTHS[0])]) / 2, 0.0)
+    extra_flops = train_probe_flops(w0, 4, rs) - train_probe_flops(w0, 2, rs)
+    out["per_layer_s"] = max((med[(w0, 4, rs)] - med[(w0, 2, rs)] - extra_flops / out["flops"][str(w0)]) / 2, 0.0)
     return out
 
 
@@ -383,6 +387,53 @@ def bench_sync_probe() -> dict:
             "trainers": 2, "samplers": 2}
 
 
+DRIVER_PROMPTS, DRIVER_GROUP = 64, 8
+
+
+def bench_driver() -> dict[str, float]:
+    """The controller's own per-row work on one core, on the default task (copy digits, partial
+    credit), 64 prompts x 8 completions from 2 samplers. ``sample_s_per_row``: what ``sample_s``
+    covers besides generating (draw and encode the prompts, split them, merge the samplers'
+    outputs, decode and score every completion); ``host_s_per_row``: ``build_train_batch`` and
+    ``split_by_rank`` (between the sample and train phases). Medians of 15."""
+    import numpy as np
+
+    from rltpu.config import RunConfig
+    from rltpu.datasets import build_dataset, build_tokenizer
+    from rltpu.rewards import load_reward_fn
+    from rltpu.rollout import build_train_batch, merge_generations, score, split_by_rank, split_prompts
+
+    cfg = RunConfig()
+    tok = build_tokenizer(cfg)
+    data = build_dataset(cfg, tok)
+    reward_fn = load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
+    n, G, T, P = DRIVER_PROMPTS, DRIVER_GROUP, 4, 8
+    rng = np.random.default_rng(0)
+
+    def sample_side():
+        examples = [data.next_batch(1)[0] for _ in range(n)]
+        outs = []
+        for shard in split_prompts([data.encode(e, tok) for e in examples], 2):
+            R = len(shard) * G
+            outs.append({"prompt": rng.integers(3, tok.vocab_size, (R, P)), "prompt_mask": np.ones((R, P), np.int64),
+                         "tokens": rng.integers(3, tok.vocab_size, (R, T)), "lengths": np.full(R, T),
+                         "logprobs": rng.random((R, T)).astype(np.float32), "version": 0})
+        gen = merge_generations(outs, tok.pad_id)
+        return gen, score(gen, examples, G, tok, reward_fn)[0]
+
+    ts, th = [], []
+    for i in range(18):
+        t0 = time.perf_counter()
+        gen, rewards = sample_side()
+        t1 = time.perf_counter()
+        split_by_rank(build_train_batch(gen, rewards, G), 2)
+        if i >= 3:  # warm-up
+            ts.append(t1 - t0)
+            th.append(time.perf_counter() - t1)
+    rows = n * G
+    return {"sample_s_per_row": sorted(ts)[len(ts) // 2] / rows, "host_s_per_row": sorted(th)[len(th) // 2] / rows}
+
+
 def bench_mem_bw() -> float:
     import numpy as np
 
@@ -481,20 +532,29 @@ def run_all() -> dict:
         "cores": os.cpu_count() or 1,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "torch_gemm_flops": bench_torch_gemm(),
-        "jax_gemm_flops": bench_jax_gemm(),
-        "torch_op_s": bench_torch_op_overhead(),
-        "jax_loop_iter_s": bench_jax_loop_overhead(),
-        "mem_bw": bench_mem_bw(),
-        "gloo": bench_gloo(2),
-        "gloo4": bench_gloo(4),
-        "jax_sample_probe_flops": bench_jax_sample_probe(),
-        "jax_sample_probe_flops_by_width": bench_jax_sample_probes(),
-        "ray": bench_ray_call(),
-        "train_steps": bench_train_steps(1),
-        "fsdp_train_steps": bench_fsdp_train_steps(),
-        "sync_probe": bench_sync_probe(),
     }
+    parts = {
+        "torch_gemm_flops": bench_torch_gemm,
+        "jax_gemm_flops": bench_jax_gemm,
+        "torch_op_s": bench_torch_op_overhead,
+        "jax_loop_iter_s": bench_jax_loop_overhead,
+        "mem_bw": bench_mem_bw,
+        "gloo": lambda: bench_gloo(2),
+        "gloo4": lambda: bench_gloo(4),
+        "jax_sample_probe_flops_by_width": bench_jax_sample_probes,
+        "ray": bench_ray_call,
+        "driver": bench_driver,
+        "train_steps": lambda: bench_train_steps(1),
+        "fsdp_train_steps": bench_fsdp_train_steps,
+        "sync_probe": bench_sync_probe,
+    }
+    took = {}
+    for key, fn in parts.items():
+        t = time.perf_counter()
+        res[key] = fn()
+        took[key] = round(time.perf_counter() - t, 1)
+    res["jax_sample_probe_flops"] = res["jax_sample_probe_flops_by_width"][str(PROBE["hidden_size"])]
+    res["seconds_by_part"] = took
     res["bench_seconds"] = time.perf_counter() - t0
     return res
 
