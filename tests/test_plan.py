@@ -37,6 +37,8 @@ FAKE_BENCH = {
     "gloo": {"bcast_latency_s": 0.5e-3, "allgather_latency_s": 1.5e-3, "bcast_bw": 1e9},
     "gloo4": {"bcast_latency_s": 1e-3, "allgather_latency_s": 3e-3, "bcast_bw": 0.5e9},
     "jax_sample_probe_flops": 23.5e9,
+    # the sampler program's fit (2 samplers at once): fixed seconds per call with 4 new tokens, FLOP/s
+    "jax_sample_fit": {"fixed_s": {"128": 0.004, "512": 0.01}, "flops": {"128": 30e9, "512": 40e9}, "new_tokens": 4},
     "ray": {"call_s": 1e-3, "fanout2_s": 2e-3, "fanout4_s": 5e-3},
     "driver": {"sample_s_per_row": 20e-6, "host_s_per_row": 2e-6},  # the controller's own work per row
     # train_step fits: fixed seconds per update and marginal FLOP/s at widths 128 and 512
@@ -246,9 +248,9 @@ def test_cpu_sample_and_sync_seconds_by_hand():
     Nm = m.layers * (m.layer_params - 2 * 128) + m.vocab * 128
     rows, P, T, S = 256, 8, 4, 12
     flops = 2 * Nm * rows * P + 4 * rows * P * P * 128 * 2 + T * (2 * Nm * rows + 4 * rows * S * 128 * 2)
-    eff = 23.5e9 / 47e9  # the sampler probe's FLOP/s over the JAX GEMM rate at its width (256)
-    # + a Ray fan-out to 2 samplers + the driver drawing and scoring 512 rows
-    assert c.phases.sample == pytest.approx(flops / (45e9 * eff) + 2e-3 + 512 * 20e-6)
+    # the sampler fit at width 128 (its fixed part measured with 4 new tokens, as here) + a Ray
+    # fan-out to 2 samplers + the driver drawing and scoring 512 rows
+    assert c.phases.sample == pytest.approx(0.004 + flops / 30e9 + 2e-3 + 512 * 20e-6)
     assert c.phases.host == pytest.approx(512 * 2e-6)
     tokens = 256 * S  # one trainer's half of 512 rows
     train_flops = 6 * Nm * tokens + 12 * tokens * S * 128 * 2

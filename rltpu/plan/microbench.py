@@ -46,7 +46,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 7
+BENCH_VERSION = 9
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -113,21 +113,19 @@ def bench_torch_op_overhead() -> float:
     return _best(lambda: x.mul(1.0001), min_s=0.02)
 
 
-# The probes: a small Llama (width 256, not the quickstart's 128) through rltpu's own code, to
-# measure what fraction of the GEMM rate whole programs reach here (elementwise work, eager
-# dispatch, attention, sampling, the optimizer). The cost model applies these efficiencies to
-# the GEMM rate at the planned model's width.
+# The sampler probe: a small Llama through rltpu's own ``SamplerEngine`` at several widths, with
+# short prompts and completions (8 + 4 tokens, like the quickstart's bucket), at 64 and 256 rows.
 PROBE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
-PROBE_VOCAB, PROBE_ROWS, PROBE_PROMPT, PROBE_NEW = 64, 64, 16, 8
+PROBE_VOCAB, PROBE_ROWS, PROBE_PROMPT, PROBE_NEW = 64, 64, 8, 4
 
 
-def _probe_flops(train: bool, width: int = PROBE["hidden_size"]) -> float:
+def _probe_flops(train: bool, width: int = PROBE["hidden_size"], rows: int = PROBE_ROWS) -> float:
     from rltpu.config import ModelConfig
     from rltpu.plan.costmodel import ModelShape
 
     m = ModelShape.from_config(ModelConfig(**probe_dims(width)), PROBE_VOCAB)
-    H, L, R = m.hidden, m.layers, PROBE_ROWS
+    H, L, R = m.hidden, m.layers, rows
     if train:
         S = PROBE_PROMPT + PROBE_NEW
         tokens = R * S
@@ -136,7 +134,7 @@ def _probe_flops(train: bool, width: int = PROBE["hidden_size"]) -> float:
     return 2 * m.matmul_params * R * P + 4 * R * P * P * H * L + T * (2 * m.matmul_params * R + 4 * R * S * H * L)
 
 
-SAMPLE_PROBE_WIDTHS = (128, 256, 512)
+SAMPLE_PROBE_WIDTHS = (128, 512)
 
 
 def probe_dims(width: int, layers: int = 2) -> dict:
@@ -146,15 +144,39 @@ def probe_dims(width: int, layers: int = 2) -> dict:
                 num_key_value_heads=max(1, heads // 2), num_hidden_layers=layers)
 
 
-def bench_jax_sample_probes() -> dict[str, float]:
-    """The sampler probe at several widths: the compiled decode loop's efficiency falls with width
-    on a CPU faster than a GEMM's does (fixed per-step work weighs more), so the cost model reads
-    it at the planned model's width."""
-    return {str(w): bench_jax_sample_probe(w) for w in SAMPLE_PROBE_WIDTHS}
+SAMPLE_FIT_ROWS = (PROBE_ROWS, 4 * PROBE_ROWS)
 
 
-def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
-    """FLOP/s of rltpu's compiled sampler program (prefill + decode loop) on the probe model."""
+_SAMPLE_PROBES = r"""
+import os, sys, json
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, {rank % os.cpu_count()})
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_sample_probe
+res = {str(w): bench_jax_sample_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS}
+if rank == 0: print(json.dumps(res))
+dist.destroy_process_group()
+"""
+
+
+def bench_jax_sample_probes() -> dict[str, dict]:
+    """The sampler probe at several widths, each at two batch sizes (64 and 256 rows), run as one
+    sampler process per core at once (as ``rltpu train``'s samplers generate side by side; the
+    phase waits for the slowest): the line through the two sizes gives the program's fixed
+    seconds per call and its marginal FLOP/s."""
+    world = min(2, os.cpu_count() or 1)
+    port = _free_port()
+    return _run_procs(_SAMPLE_PROBES, [[str(r), str(world), str(port)] for r in range(world)], "sampler probe")
+
+
+def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict:
+    """rltpu's compiled sampler program (prefill + decode loop) on the probe model at ``width``,
+    64 and 256 rows of 8 + 4 tokens, calls interleaved, median of 15 each (with ``dist``: the
+    slowest of the processes per call): ``flops`` (FLOP/s of the 64-row call), ``fit_fixed_s``
+    and ``fit_flops`` (the line through both sizes)."""
     from rltpu.config import ModelConfig, SamplerConfig
     from rltpu.models import param_shapes
     from rltpu.models.jax_llama import params_from_torch
@@ -163,19 +185,34 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"]) -> float:
 
     mcfg = ModelConfig(**probe_dims(width))
     G = 8
-    scfg = SamplerConfig(group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=(PROBE_ROWS,),
+    scfg = SamplerConfig(group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=SAMPLE_FIT_ROWS,
                          prompt_buckets=(PROBE_PROMPT,), compile_cache=False)
     shapes = {k: (v, "float32") for k, v in param_shapes(mcfg, PROBE_VOCAB).items()}
     eng = SamplerEngine(mcfg, scfg, PROBE_VOCAB, 0, 2, shapes)
     eng.set_params(params_from_torch(init_state_dict(mcfg, PROBE_VOCAB, 0)), 0)
-    prompts = [[1, *range(3, 3 + PROBE_PROMPT - 1)] for _ in range(PROBE_ROWS // G)]
-    eng.generate(prompts, G, 0)  # compile
-    times = []
-    for i in range(15):  # the median call, as --against reads a run
-        out = eng.generate(prompts, G, i + 1)
-        full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
-        times.append(out["program_seconds"] * PROBE_NEW / max(full, 1))  # per full-length program
-    return _probe_flops(train=False, width=width) / sorted(times)[len(times) // 2]
+    prompts = {r: [[1, *range(3, 3 + PROBE_PROMPT - 1)] for _ in range(r // G)] for r in SAMPLE_FIT_ROWS}
+    for r in SAMPLE_FIT_ROWS:
+        eng.generate(prompts[r], G, 0)  # compile
+    times: dict[int, list[float]] = {r: [] for r in SAMPLE_FIT_ROWS}
+    for i in range(15):  # the median call, as --against reads a run; sizes interleaved
+        for r in SAMPLE_FIT_ROWS:
+            if dist is not None:
+                dist.barrier()
+            out = eng.generate(prompts[r], G, i + 1)
+            full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
+            t = out["program_seconds"] * PROBE_NEW / max(full, 1)  # per full-length program
+            if dist is not None:  # the phase waits for the slowest sampler
+                import torch
+
+                ts = torch.tensor([t], dtype=torch.float64)
+                dist.all_reduce(ts, op=dist.ReduceOp.MAX)
+                t = float(ts)
+            times[r].append(t)
+    med = {r: sorted(t)[len(t) // 2] for r, t in times.items()}
+    (ra, ta), (rb, tb) = sorted(med.items())
+    fa, fb = _probe_flops(False, width, ra), _probe_flops(False, width, rb)
+    slope = max((tb - ta) / (fb - fa), 1e-15)
+    return {"flops": fa / ta, "fit_fixed_s": max(ta - fa * slope, 0.0), "fit_flops": 1 / slope}
 
 
 # -- whole-step probes through rltpu's own code, fitted as fixed seconds + work / rate --------------
@@ -541,7 +578,7 @@ def run_all() -> dict:
         "mem_bw": bench_mem_bw,
         "gloo": lambda: bench_gloo(2),
         "gloo4": lambda: bench_gloo(4),
-        "jax_sample_probe_flops_by_width": bench_jax_sample_probes,
+        "jax_sample_probes": bench_jax_sample_probes,
         "ray": bench_ray_call,
         "driver": bench_driver,
         "train_steps": lambda: bench_train_steps(1),
@@ -553,7 +590,10 @@ def run_all() -> dict:
         t = time.perf_counter()
         res[key] = fn()
         took[key] = round(time.perf_counter() - t, 1)
-    res["jax_sample_probe_flops"] = res["jax_sample_probe_flops_by_width"][str(PROBE["hidden_size"])]
+    fits = res.pop("jax_sample_probes")
+    res["jax_sample_probe_flops_by_width"] = {w: f["flops"] for w, f in fits.items()}
+    res["jax_sample_fit"] = {"fixed_s": {w: f["fit_fixed_s"] for w, f in fits.items()},
+                             "flops": {w: f["fit_flops"] for w, f in fits.items()}, "new_tokens": PROBE_NEW}
     res["seconds_by_part"] = took
     res["bench_seconds"] = time.perf_counter() - t0
     return res
