@@ -46,7 +46,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 9
+BENCH_VERSION = 10
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -156,7 +156,12 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_sample_probe
+import time
+c0, w0 = time.process_time(), time.perf_counter()
 res = {str(w): bench_jax_sample_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS}
+share = torch.tensor([(time.process_time() - c0) / (time.perf_counter() - w0)], dtype=torch.float64)
+dist.all_reduce(share, op=dist.ReduceOp.MIN)
+res["cpu_share"] = float(share)
 if rank == 0: print(json.dumps(res))
 dist.destroy_process_group()
 """
@@ -290,6 +295,7 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
         eng.train_step(batch)  # warm-up: allocations, FSDP lazy init
         engines[(width, layers, rows)] = (eng, batch)
     times: dict = {p: [] for p in points}
+    c0, w0_ = time.process_time(), time.perf_counter()
     for _ in range(TRAIN_PROBE_STEPS):  # the points interleaved: each round sees the same load on every one
         for p in points:
             eng, batch = engines[p]
@@ -300,7 +306,8 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
             times[p].append(time.perf_counter() - t0)
     med = {p: sorted(t)[len(t) // 2] for p, t in times.items()}  # as --against reads a run: median step
 
-    out: dict = {"fixed_s": {}, "flops": {}}
+    out: dict = {"fixed_s": {}, "flops": {},
+                 "cpu_share": (time.process_time() - c0) / (time.perf_counter() - w0_)}
     for w in TRAIN_PROBE_WIDTHS:
         rb = train_probe_rows(w)
         ts, tb = med[(w, 2, rs)], med[(w, 2, rb)]
@@ -325,6 +332,9 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 from rltpu.plan.microbench import bench_train_steps
 mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
 res = bench_train_steps(2, mesh, dist.barrier, rank)
+share = torch.tensor([res["cpu_share"]], dtype=torch.float64)
+dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the most disturbed rank
+res["cpu_share"] = float(share)
 if rank == 0: print(json.dumps(res))
 dist.destroy_process_group()
 """
@@ -551,6 +561,26 @@ def bench_ray_call() -> dict[str, float]:
     return {"call_s": one, "fanout2_s": two, "fanout4_s": four}
 
 
+DISTURBED_SHARE, ATTEMPTS = 0.5, 3
+
+
+def _least_disturbed(fn) -> dict:
+    """Run a probe of processes that own one core each (the sampler and FSDP train-step probes);
+    when its most disturbed process got less than ``DISTURBED_SHARE`` of its core (CPU time over
+    wall time: other work on this shared machine took the rest), measure again, up to
+    ``ATTEMPTS`` times, and keep the least disturbed attempt. A repeat policy, not a correction:
+    the figures kept are measured as they are."""
+    best = None
+    for i in range(ATTEMPTS):
+        res = fn()
+        res["attempt"] = i + 1
+        if best is None or res["cpu_share"] > best["cpu_share"]:
+            best = res
+        if res["cpu_share"] >= DISTURBED_SHARE:
+            break
+    return best
+
+
 def machine_key() -> str:
     import jax
     import torch
@@ -588,9 +618,10 @@ def run_all() -> dict:
     took = {}
     for key, fn in parts.items():
         t = time.perf_counter()
-        res[key] = fn()
+        res[key] = _least_disturbed(fn) if key in ("jax_sample_probes", "fsdp_train_steps") else fn()
         took[key] = round(time.perf_counter() - t, 1)
     fits = res.pop("jax_sample_probes")
+    res["jax_sample_probes_cpu_share"], res["jax_sample_probes_attempt"] = fits.pop("cpu_share"), fits.pop("attempt")
     res["jax_sample_probe_flops_by_width"] = {w: f["flops"] for w, f in fits.items()}
     res["jax_sample_fit"] = {"fixed_s": {w: f["fit_fixed_s"] for w, f in fits.items()},
                              "flops": {w: f["fit_flops"] for w, f in fits.items()}, "new_tokens": PROBE_NEW}
