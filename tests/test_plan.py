@@ -39,7 +39,7 @@ FAKE_BENCH = {
     "jax_sample_probe_flops": 23.5e9,
     # the sampler program's fit (2 samplers at once): fixed seconds per call with 4 new tokens, FLOP/s
     "jax_sample_fit": {"fixed_s": {"128": 0.004, "512": 0.01}, "flops": {"128": 30e9, "512": 40e9}, "new_tokens": 4},
-    "ray": {"call_s": 1e-3, "fanout2_s": 2e-3, "fanout4_s": 5e-3},
+    "ray": {"call_s": 1e-3, "fanout2_s": 2e-3, "fanout4_s": 5e-3, "fanout2_batch_s": 12e-3, "batch_tokens": 3072},
     "driver": {"sample_s_per_row": 20e-6, "host_s_per_row": 2e-6},  # the controller's own work per row
     # train_step fits: fixed seconds per update and marginal FLOP/s at widths 128 and 512
     "train_steps": {"fixed_s": {"128": 0.02, "512": 0.08}, "flops": {"128": 20e9, "512": 30e9}, "per_layer_s": 0.005},
@@ -255,7 +255,8 @@ def test_cpu_sample_and_sync_seconds_by_hand():
     tokens = 256 * S  # one trainer's half of 512 rows
     train_flops = 6 * Nm * tokens + 12 * tokens * S * 128 * 2
     # the 2-rank train_step fit at width 128 (2 layers: no per-layer extra), a Ray fan-out to 2
-    assert c.phases.train == pytest.approx(0.05 + train_flops / 15e9 + 2e-3)
+    # with each rank's 3072-token batch (the measured 10 ms for 3072 tokens)
+    assert c.phases.train == pytest.approx(0.05 + train_flops / 15e9 + 2e-3 + 10e-3)
     W = m.params * 4
     # 4 sync processes > 2 cores: the gloo4 latency per message (1 ms). The probe's line: 14 more
     # messages and 18 MB more take 40 ms more -> (40 - 14) ms per 18 MB; the rest of the small

@@ -365,6 +365,10 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
         # all-gathers / reduce-scatters, micro-batch planning; once per epoch (and per critic update)
         out["fixed"] = fixed * w.ppo_epochs * (2 if w.critic else 1)
         out["dispatch"] = ray_fanout_s(hw, fsdp * tp)  # the controller's train_step calls, one ray.get
+        ray = hw.cpu["ray"]
+        if "fanout2_batch_s" in ray:  # + shipping each actor its batch: measured for 256 rows, per token
+            per_token = max(ray["fanout2_batch_s"] - ray["fanout2_s"], 0.0) / ray["batch_tokens"]
+            out["dispatch"] += per_token * tokens
         return out
     passes = matmul_passes(hw, m, w, training=True)
     compute = flops * passes / (hw.peak_flops * tp * hw.train_mfu)

@@ -15,7 +15,8 @@ thread), so everything here runs single-threaded on one pinned core:
 * gloo on loopback: 2 processes on 2 cores; broadcast latency (8 bytes), broadcast bandwidth
   (16 MiB), all-gather latency (8 bytes).
 * gloo again with 4 processes on the 2 cores (a sync group larger than the core count).
-* Ray: the round trip of a no-op actor call, alone and fanned out to 2 and 4 actors.
+* Ray: the round trip of a no-op actor call, alone and fanned out to 2 and 4 actors, and fanned
+  out to 2 actors each handed a 256-row training batch (the train phase's call).
 * driver: the controller's own per-row work (draw, encode, merge, decode and score; then
   ``build_train_batch``) on the default task.
 * sampler probe: one compiled sampler call of a small Llama through rltpu's own ``SamplerEngine``
@@ -46,7 +47,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 10
+BENCH_VERSION = 11
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -233,6 +234,7 @@ TRAIN_PROBE_WIDTHS = (128, 512)
 TRAIN_PROBE_PROMPT, TRAIN_PROBE_NEW, TRAIN_PROBE_VOCAB = 8, 4, 32
 TRAIN_PROBE_STEPS = 9
 TRAIN_PROBE_SMALL_ROWS = 4
+TRAIN_BATCH_ROWS = 256  # rows per actor in the Ray dispatch probe
 
 
 def train_probe_rows(width: int) -> int:
@@ -551,14 +553,22 @@ def bench_ray_call() -> dict[str, float]:
             def f(self, x=None):
                 return x
 
+            def g(self, batch):  # a batch in, a small stats dict out (like train_step)
+                return {"rows": len(batch["tokens"])}
+
         actors = [Echo.remote() for _ in range(4)]
         ray.get([a.f.remote() for a in actors])
         one = _best(lambda: ray.get(actors[0].f.remote()), reps=3, min_s=0.2)
         two = _best(lambda: ray.get([a.f.remote() for a in actors[:2]]), reps=3, min_s=0.2)
         four = _best(lambda: ray.get([a.f.remote() for a in actors]), reps=3, min_s=0.2)
+        # the train phase's call: a rank's batch (dict of arrays) to each of 2 actors, stats back
+        batches = [_train_batch(TRAIN_BATCH_ROWS, 2, r) for r in range(2)]
+        with_batch = _best(lambda: ray.get([a.g.remote(b) for a, b in zip(actors, batches)]),
+                           reps=3, min_s=0.2)
     finally:
         ray.shutdown()
-    return {"call_s": one, "fanout2_s": two, "fanout4_s": four}
+    return {"call_s": one, "fanout2_s": two, "fanout4_s": four, "fanout2_batch_s": with_batch,
+            "batch_tokens": TRAIN_BATCH_ROWS * (TRAIN_PROBE_PROMPT + TRAIN_PROBE_NEW)}
 
 
 DISTURBED_SHARE, ATTEMPTS = 0.5, 3
