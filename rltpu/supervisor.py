@@ -193,6 +193,11 @@ class Supervision:
                 elif self.watch and key in self.watch.fenced:
                     failed[key] = self.watch.fenced[key]
                     del pending[key]
+            if any(k.startswith("trainer-") for k in failed):
+                # the trainer group restarts as a whole: a rank blocked in a collective with the
+                # dead one cannot answer and need not (``_restart_trainers`` fences every rank)
+                for key in [k for k in pending if k.startswith("trainer-")]:
+                    del pending[key]
         failed |= {key: "unresponsive" for key in pending}
         return failed
 
