@@ -47,7 +47,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 11
+BENCH_VERSION = 12
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -157,10 +157,8 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_sample_probe
-import time
-c0, w0 = time.process_time(), time.perf_counter()
 res = {str(w): bench_jax_sample_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS}
-share = torch.tensor([(time.process_time() - c0) / (time.perf_counter() - w0)], dtype=torch.float64)
+share = torch.tensor([min(r.pop("cpu_share") for r in res.values())], dtype=torch.float64)
 dist.all_reduce(share, op=dist.ReduceOp.MIN)
 res["cpu_share"] = float(share)
 if rank == 0: print(json.dumps(res))
@@ -200,11 +198,14 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict
     for r in SAMPLE_FIT_ROWS:
         eng.generate(prompts[r], G, 0)  # compile
     times: dict[int, list[float]] = {r: [] for r in SAMPLE_FIT_ROWS}
+    cpu_s = wall_s = 0.0  # over the generate calls only (not compiling, not waiting at barriers)
     for i in range(15):  # the median call, as --against reads a run; sizes interleaved
         for r in SAMPLE_FIT_ROWS:
             if dist is not None:
                 dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
             out = eng.generate(prompts[r], G, i + 1)
+            cpu_s, wall_s = cpu_s + time.process_time() - c0, wall_s + time.perf_counter() - w0
             full = out["decode_steps"] if "decode_steps" in out else PROBE_NEW
             t = out["program_seconds"] * PROBE_NEW / max(full, 1)  # per full-length program
             if dist is not None:  # the phase waits for the slowest sampler
@@ -218,7 +219,8 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict
     (ra, ta), (rb, tb) = sorted(med.items())
     fa, fb = _probe_flops(False, width, ra), _probe_flops(False, width, rb)
     slope = max((tb - ta) / (fb - fa), 1e-15)
-    return {"flops": fa / ta, "fit_fixed_s": max(ta - fa * slope, 0.0), "fit_flops": 1 / slope}
+    return {"flops": fa / ta, "fit_fixed_s": max(ta - fa * slope, 0.0), "fit_flops": 1 / slope,
+            "cpu_share": cpu_s / max(wall_s, 1e-9)}
 
 
 # -- whole-step probes through rltpu's own code, fitted as fixed seconds + work / rate --------------
@@ -297,19 +299,20 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
         eng.train_step(batch)  # warm-up: allocations, FSDP lazy init
         engines[(width, layers, rows)] = (eng, batch)
     times: dict = {p: [] for p in points}
-    c0, w0_ = time.process_time(), time.perf_counter()
+    cpu_in = 0.0  # CPU seconds inside train_step (not waiting at the barriers)
     for _ in range(TRAIN_PROBE_STEPS):  # the points interleaved: each round sees the same load on every one
         for p in points:
             eng, batch = engines[p]
             if barrier is not None:  # ranks in lock-step
                 barrier()
-            t0 = time.perf_counter()
+            t0, c_0 = time.perf_counter(), time.process_time()
             eng.train_step(batch)
             times[p].append(time.perf_counter() - t0)
+            cpu_in += time.process_time() - c_0
     med = {p: sorted(t)[len(t) // 2] for p, t in times.items()}  # as --against reads a run: median step
 
     out: dict = {"fixed_s": {}, "flops": {},
-                 "cpu_share": (time.process_time() - c0) / (time.perf_counter() - w0_)}
+                 "cpu_share": cpu_in / max(sum(sum(t) for t in times.values()), 1e-9)}
     for w in TRAIN_PROBE_WIDTHS:
         rb = train_probe_rows(w)
         ts, tb = med[(w, 2, rs)], med[(w, 2, rb)]
