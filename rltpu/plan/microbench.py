@@ -47,7 +47,7 @@ from pathlib import Path
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 12
+BENCH_VERSION = 13
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -574,7 +574,7 @@ def bench_ray_call() -> dict[str, float]:
             "batch_tokens": TRAIN_BATCH_ROWS * (TRAIN_PROBE_PROMPT + TRAIN_PROBE_NEW)}
 
 
-DISTURBED_SHARE, ATTEMPTS = 0.5, 3
+DISTURBED_SHARE, ATTEMPTS = 0.7, 3
 
 
 def _least_disturbed(fn) -> dict:
