@@ -69,7 +69,6 @@ class Rollout:
     shards: list
     seed: int
     refs: dict = field(default_factory=dict)  # sampler rank -> (handle, ObjectRef)
-    submitted_version: int = 0  # the newest weight version whose sync was issued before it
 
 
 class Controller(Supervision):
@@ -80,6 +79,7 @@ class Controller(Supervision):
         self._inflight: deque[Rollout] = deque()  # async: rollouts submitted, not yet trained on
         self._current: Rollout | None = None  # async: popped for this step, not yet committed
         self._submitting: dict | None = None  # async: the cursor while a rollout's prompts are drawn
+        self.interrupted_record: dict | None = None  # the metrics of a step interrupted after its update
         self.run_dir = cfg.resolved_run_dir
         self.table = ChipTable.build(cfg.cluster)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
@@ -356,7 +356,7 @@ class Controller(Supervision):
         seed = cfg.seed * 1_000_003 + (step - 1) * 131  # what the on-policy loop uses for this step
         G = cfg.sampler.group_size
         refs = {r: (s, s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(self.samplers)}
-        self._inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs, self.version))
+        self._inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs))
         self._submitting = None
 
     def _collect(self, ro: Rollout) -> list[dict]:
@@ -405,12 +405,31 @@ class Controller(Supervision):
         self._phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
         self._commit_ledger(int(np.min(gen["versions"])))
         self._current = None
-        stats = ray.get(refs)
-        train_s = time.perf_counter() - t1
-        self.version += 1
-        self._phase = "sync"
-        sync = self._sync_healing(self.version)  # a dead sampler is replaced and re-joined
+        stats = sync = None
+        try:
+            stats = ray.get(refs)
+            train_s = time.perf_counter() - t1
+            self.version += 1
+            self._phase = "sync"
+            sync = self._sync_healing(self.version)  # a dead sampler is replaced and re-joined
+        except KeyboardInterrupt:
+            # the update lands anyway (the final checkpoint queues behind it on the trainers): count
+            # it and log the step, without sync figures, so metrics and checkpoint agree on the step
+            if stats is None:
+                stats = ray.get(refs)
+                train_s = time.perf_counter() - t1
+                self.version += 1
+            self.interrupted_record = self._record(gen, rewards, outs, ds, batch, kl, stats, None, None,
+                                                   t_step, sample_s, train_s)
+            raise
         probe = self._probe() if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0 else None
+        return self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe, t_step, sample_s, train_s)
+
+    def _record(self, gen: dict, rewards: np.ndarray, outs: list[dict], ds: dict, batch: dict, kl, stats: list[dict],
+                sync: dict | None, probe: float | None, t_step: float, sample_s: float, train_s: float) -> dict:
+        """One ``metrics.jsonl`` line; ``sync`` None for a step interrupted after its update landed."""
+        tc = self.cfg.trainer
+        sync = sync or dict.fromkeys(("seconds", "bytes", "copied_bytes", "ici_bytes", "dcn_bytes", "zero_copy_frac"))
         tokens = max(sum(s["tokens"] for s in stats), 1)
 
         def per_token(key: str) -> float:  # per-rank sums -> one mean over the global batch
@@ -418,8 +437,8 @@ class Controller(Supervision):
 
         padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
         sampler_busy = sum(o["seconds"] for o in outs) / len(self.samplers)
-        if self.colocated:  # both roles resident: what each process holds now (VmRSS / VmHWM)
-            mem = ray.get([t.memory.remote() for t in self.trainers])
+        if self.colocated and sync["seconds"] is not None:  # both roles resident: what each process holds now
+            mem = self._ray.get([t.memory.remote() for t in self.trainers])
             ds = dict(ds, proc_rss_mb=max(m["rss_bytes"] for m in mem) / 2**20,
                       proc_peak_rss_mb=max(m["peak_rss_bytes"] for m in mem) / 2**20)
         return {
@@ -646,6 +665,8 @@ class Controller(Supervision):
         except KeyboardInterrupt:
             # checkpoint what the trainer really holds: if the interrupted step never reached the
             # trainer, its prompts go back to the data cursor so a resume samples them again
+            if self.interrupted_record is not None:  # the step whose update landed mid-interrupt
+                writer.write(self.interrupted_record)
             writer.close()
             print(f"\nrltpu: interrupted at step {self.step_idx}; saving checkpoint", flush=True)
             try:
