@@ -574,7 +574,7 @@ def bench_ray_call() -> dict[str, float]:
             "batch_tokens": TRAIN_BATCH_ROWS * (TRAIN_PROBE_PROMPT + TRAIN_PROBE_NEW)}
 
 
-DISTURBED_SHARE, ATTEMPTS = 0.7, 3
+DISTURBED_SHARE, ATTEMPTS = 0.7, 2
 
 
 def _least_disturbed(fn) -> dict:
