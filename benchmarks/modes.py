@@ -1,13 +1,20 @@
-"""Placement modes on the quickstart workload, on the same 4 chips: step time, idle share per chip
+"""Placement modes on the quickstart workload, on the same chips: step time, idle share per chip
 group, reward after N steps.
 
-    .venv/bin/python benchmarks/modes.py [--steps 100] [--only on_policy,async_s1,colocated] [--out FILE]
+    .venv/bin/python benchmarks/modes.py [--chips 2|4] [--steps 100] [--only on_policy,async_s1,colocated] [--out FILE]
 
-Modes (each one ``rltpu train configs/quickstart.yaml <overrides>`` run; the JSON carries the command):
-  * ``on_policy``:  disaggregated, 2 sampler + 2 trainer chips, staleness 0 (sample, then train);
+Modes (each one ``rltpu train configs/quickstart.yaml <overrides>`` run; the JSON carries the command),
+with ``--chips N`` (default 2):
+  * ``on_policy``:  disaggregated, N/2 sampler + N/2 trainer chips, staleness 0 (sample, then train);
   * ``async_s1``:   the same chips, staleness 1 with truncated IS: the samplers generate step k+1
     while the trainers train step k;
-  * ``colocated``:  4 processes, each one chip hosting a trainer rank and a sampler; phases alternate.
+  * ``colocated``:  N processes, each one chip hosting a trainer rank and a sampler; phases alternate.
+
+Why 2 chips by default: an emulated chip is pinned to core ``chip_id % cores``. On a 2-core machine
+the quickstart's own 4 chips put a sampler and a trainer on each core, so the two groups cannot
+run at once whatever the schedule, and overlap shows up only as contention. With 2 chips each
+process has a core of its own, as each process has its own chip on a TPU host. ``--chips 4`` runs
+the quickstart's layout as configured.
 
 Per mode, over the steps after the first (compilation and warm-up excluded): median step seconds,
 median sample/train/sync seconds as the controller saw them, and each chip group's idle share:
@@ -33,11 +40,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODES = {
-    "on_policy": [],
-    "async_s1": ["placement.staleness=1", "trainer.off_policy_correction=tis"],
-    "colocated": ["placement.mode=colocated", "placement.sampler_chips=4", "placement.trainer_chips=4"],
-}
+def modes(chips: int) -> dict[str, list[str]]:
+    half = [f"placement.sampler_chips={chips // 2}", f"placement.trainer_chips={chips // 2}"]
+    if chips == 2:  # one sampler draws all 64 x 8 rows: a bucket that holds them
+        half.append("sampler.batch_buckets=[512]")
+    return {
+        "on_policy": half,
+        "async_s1": [*half, "placement.staleness=1", "trainer.off_policy_correction=tis"],
+        "colocated": ["placement.mode=colocated", f"placement.sampler_chips={chips}", f"placement.trainer_chips={chips}"],
+    }
+
+
+MODES = modes(4)  # names; the overrides depend on --chips
 
 
 def summarize(recs: list[dict], mode: str) -> dict:
@@ -88,6 +102,7 @@ def run(name: str, overrides: list[str], steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--chips", type=int, choices=(2, 4), default=2)
     ap.add_argument("--only", default=",".join(MODES))
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
@@ -98,13 +113,13 @@ def main() -> None:
     results, load = {}, os.getloadavg()[0]
     for name in names:
         print(f"modes: {name} ...", file=sys.stderr, flush=True)
-        results[name] = run(name, MODES[name], args.steps)
+        results[name] = run(name, modes(args.chips)[name], args.steps)
     ref = results.get("on_policy")
     if ref and "error" not in ref:
         for r in results.values():
             if "error" not in r:
                 r["overlap_vs_on_policy"] = round(r["step_s"] / (ref["sample_s"] + ref["train_s"]), 3)
-    doc = {"benchmark": "modes", "steps": args.steps, "load_avg_at_start": load, "modes": results}
+    doc = {"benchmark": "modes", "steps": args.steps, "chips": args.chips, "cores": os.cpu_count(), "load_avg_at_start": load, "modes": results}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

@@ -333,6 +333,40 @@ def test_write_config_is_accepted_by_train_validation(tmp_path):
     assign_roles(ChipTable.build(again.cluster, emulated=True), again.placement)
 
 
+@pytest.mark.parametrize("mode", ["async", "colocated"])
+def test_write_config_runs_async_and_colocated_winners(mode, tmp_path):
+    """Every mode is runnable: an async winner is written as staleness 1 with truncated IS, a
+    colocated one as placement.mode=colocated on its chips; both pass the train-time checks."""
+    cfg = load_config(QUICKSTART)
+    plan = make_plan(cfg, "cpu", FAKE_BENCH)
+    pick = next(c for c in plan.feasible if c.mode == mode)
+    plan.candidates = [pick] + [c for c in plan.candidates if c is not pick]  # as if it had won
+    data = placed_config(plan)
+    out = tmp_path / "placed.yaml"
+    out.write_text(yaml.safe_dump(data))
+    again = load_config(out)
+    if mode == "async":
+        assert (again.placement.mode, again.placement.staleness) == ("disaggregated", 1)
+        assert again.trainer.off_policy_correction == "tis"
+    else:
+        assert (again.placement.mode, again.placement.staleness) == ("colocated", 0)
+        assert again.placement.sampler_chips == again.placement.trainer_chips == pick.sampler_chips
+    roles = assign_roles(ChipTable.build(again.cluster, emulated=True), again.placement)
+    placed = sum(len(chips) for groups in roles.values() for chips in groups)
+    assert placed == (pick.sampler_chips if mode == "colocated" else pick.sampler_chips + pick.trainer_chips)
+
+
+def test_as_configured_follows_the_configs_mode():
+    """--against compares a run with the plan for its own placement, in its own mode."""
+    for overrides, mode in ((["placement.staleness=1"], "async"),
+                            (["placement.mode=colocated", "placement.sampler_chips=2"], "colocated"),
+                            ([], "disaggregated")):
+        plan = make_plan(load_config(QUICKSTART, overrides), "cpu", FAKE_BENCH)
+        assert plan.as_configured.mode == mode, overrides
+        if mode == "colocated":  # two processes on two chips, not every chip of the slice
+            assert len(plan.as_configured.ranks) == 2
+
+
 # -- acceptance 3: the HTML report in headless Chromium ----------------------------------------------
 
 def _chromium() -> str | None:

@@ -85,8 +85,8 @@ class Plan:
                 parts.append(f"{mode.capitalize()} does not fit: {best.reason}.")
         if not win.runnable:
             br = self.best_runnable
-            parts.append(f"`rltpu train` runs only on-policy disaggregated placements today, so --write-config "
-                         f"writes {br.name if br else 'nothing (none fits)'}.")
+            parts.append(f"`rltpu train` cannot run it, so --write-config writes "
+                         f"{br.name if br else 'nothing (none fits)'}.")
         bad = [c for c in self.candidates if not c.feasible]
         if bad:
             parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit.")

@@ -1,8 +1,10 @@
 """``rltpu plan CONFIG --against RUN_DIR``: predicted vs measured seconds per phase.
 
 The prediction is for the run's own placement (the ``as configured`` candidate), not the
-winner. Measured figures are medians over the run's ``metrics.jsonl`` steps after the first (the
-first step pays one-off warm-up); compile is ``placement.json``'s ``compiling.wall_s``. Error is
+winner; its mode is the config's (``placement.mode``, ``staleness``). Measured figures are medians over the run's ``metrics.jsonl`` steps after the first (the
+first step pays one-off warm-up; an async run's sample is ``sampler_busy_s``, the samplers' own
+generate time, since the driver's wait overlaps training); compile is ``placement.json``'s
+``compiling.wall_s``. Error is
 (predicted - measured) / measured.
 """
 
@@ -28,7 +30,10 @@ def read_run(run_dir: str | Path) -> dict:
         raise ConfigError(f"--against {d}: metrics.jsonl is empty; let the run finish at least one step")
     steady = rows[1:] or rows
     out = {"steps": len(rows), "emulated": bool(rows[0].get("emulated", True))}
+    stale = any(r.get("staleness") for r in steady)
     for name, key in PHASES:
+        if name == "sample" and stale:  # async: the driver barely waits; the samplers' own time
+            key = "sampler_busy_s"
         vals = [r[key] for r in steady if key in r]
         out[name] = statistics.median(vals) if vals else None
     place = d / "placement.json"

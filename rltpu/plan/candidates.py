@@ -23,7 +23,7 @@ from rltpu.plan.hardware import Hardware
 from rltpu.topology import ChipTable, Role, assign_roles
 
 MODES = ("disaggregated", "async", "colocated")
-RUNNABLE_MODES = ("disaggregated",)  # what `rltpu train` runs today (on-policy, disjoint chips)
+RUNNABLE_MODES = MODES  # `rltpu train` runs all three (placement.mode, placement.staleness)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Candidate:
 
     @property
     def runnable(self) -> bool:
-        """What `rltpu train` runs today: on-policy, disjoint chips."""
+        """Whether `rltpu train` can run it (every mode can: async as placement.staleness=1)."""
         return self.mode in RUNNABLE_MODES
 
     def peak_bytes(self) -> dict[str, float]:
@@ -79,7 +79,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if colocated:
         per = c.chips_per_sampler  # aligned blocks of each host, in host order (as assign_roles does)
         samplers = [table.chips_on(*h)[i:i + per] for h in table.hosts()
-                    for i in range(0, len(table.chips_on(*h)) - per + 1, per)]
+                    for i in range(0, len(table.chips_on(*h)) - per + 1, per)][: c.sampler_chips // per]
         trainers = samplers  # the same processes hold both roles
         n_s = n_t = len(samplers)
         fsdp_chips = c.sampler_chips
@@ -232,7 +232,8 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
                 if tch < cpt or not ok_split(k // cps, tch // cpt):
                     continue
                 for rm in rm_places:
-                    for mode in ("disaggregated", "async"):
+                    # async needs each step's rewards only after the next draw: not with DAPO refills
+                    for mode in ("disaggregated",) + (() if cfg.trainer.dynamic_sampling else ("async",)):
                         out.append(Candidate(mode, k, tch, cps, cpt, reward_on=rm))
     reward_group = getattr(cfg.placement, "reward_chips", 0)
     for cpp in sizes if not reward_group else ():  # colocation would overlap the reward group's chips
@@ -240,14 +241,16 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
             for rm in rm_places:
                 out.append(Candidate("colocated", n, n, cpp, cpp, reward_on=rm))
     p = cfg.placement
-    mine = [c for c in out if c.mode == "disaggregated" and
+    mode = "colocated" if getattr(p, "mode", "disaggregated") == "colocated" else \
+        "async" if getattr(p, "staleness", 0) else "disaggregated"
+    mine = [c for c in out if c.mode == mode and
             (c.sampler_chips, c.trainer_chips, c.chips_per_sampler, c.chips_per_trainer) ==
             (p.sampler_chips, p.trainer_chips, p.chips_per_sampler, p.chips_per_trainer)]
     if mine and p.sampler_chip_ids is None and p.trainer_chip_ids is None:
         for c in mine:
             c.as_configured = True
     else:
-        out.insert(0, Candidate("disaggregated", p.sampler_chips, p.trainer_chips, p.chips_per_sampler,
+        out.insert(0, Candidate(mode, p.sampler_chips, p.trainer_chips, p.chips_per_sampler,
                                 p.chips_per_trainer, reward_on=rm_places[0], as_configured=True))
     return out
 

@@ -220,7 +220,7 @@ def html_page(plan: Plan, top: int = 12) -> str:
         f"{w.prompts} prompts x {w.group} = {w.rows} rows of {w.prompt_len}+{w.new_tokens} tokens.</p>",
         f'<h2>Why</h2><p id="why">{html.escape(plan.why())}</p>',
         f"<h2>Chip map ({html.escape(win.name)})</h2>", _chip_map(plan),
-        *([f"<h3>Best placement rltpu train runs today ({html.escape(plan.best_runnable.name)})</h3>",
+        *([f"<h3>Best placement rltpu train can run ({html.escape(plan.best_runnable.name)})</h3>",
            _chip_map(plan, plan.best_runnable, "chip-map-runnable")]
           if plan.best_runnable is not None and plan.best_runnable is not win else []),
         "<h2>Memory per chip</h2>", _memory_bars(plan),

@@ -1,6 +1,6 @@
 """``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts.
 
-Only ``placement`` changes, plus the trainer's activation checkpointing and micro-batch size the
+Only ``placement`` changes (async as ``staleness: 1`` with ``trainer.off_policy_correction: tis``), plus the trainer's activation checkpointing and micro-batch size the
 plan chose (unless the placement is the config's own), and a sampler batch bucket when a sampler
 now gets more rows than the largest one holds. The result is validated with the same schema and ``assign_roles`` that
 ``rltpu train`` runs before starting anything, so a written file cannot fail on placement.
@@ -23,8 +23,12 @@ def placed_config(plan: Plan) -> dict:
         raise ConfigError(f"no placement that `rltpu train` can run fits on {plan.table.describe()}; "
                           f"see the plan's reasons (more chips, a smaller model or fewer prompts per step)")
     data = plan.cfg.to_dict()
-    data["placement"] = {"sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
+    data["placement"] = {"mode": "colocated" if c.mode == "colocated" else "disaggregated",
+                         "staleness": 1 if c.mode == "async" else 0,
+                         "sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
                          "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer}
+    if c.mode == "async":  # one step stale: weigh the stale tokens (truncated IS)
+        data["trainer"]["off_policy_correction"] = "tis"
     for k in ("reward_chips", "chips_per_reward", "reward_chip_ids"):  # the reward group stays as configured
         if k in plan.cfg.to_dict()["placement"]:
             data["placement"][k] = plan.cfg.to_dict()["placement"][k]
