@@ -113,6 +113,8 @@ class TrainerEngine:
                           max_len=int(batch.get("max_new_tokens", mask.shape[1])), world=self.world)
         is_w = None
         if c.off_policy_correction == "tis":  # stale rollouts: ratio vs the trainer, IS weight vs the sampler
+            if old_logp is None:  # one epoch: the weights before this update are the ones running now
+                old_logp = logp.detach()
             is_w = truncated_is_weights(old_logp, sampler_logp, c.tis_cap)
         out = policy_loss(
             logp, sampler_logp if old_logp is None else old_logp, b["advantages"][:, 1:], mask, scale,
@@ -190,8 +192,9 @@ class TrainerEngine:
     def train_step(self, batch: dict) -> dict:
         t0 = time.perf_counter()
         plan = self._plan(batch)
-        if self.cfg.recompute_old_logprobs or self.cfg.off_policy_correction == "tis":
-            # the ratio's denominator from this trainer, not the sampler (TIS weighs the difference)
+        if self.cfg.recompute_old_logprobs or (self.cfg.off_policy_correction == "tis" and self.cfg.ppo_epochs > 1):
+            # the ratio's denominator from this trainer, not the sampler (TIS weighs the difference);
+            # with one epoch TIS takes it from this step's own forward (the weights have not moved yet)
             batch = dict(batch, recomputed_old=self.logprobs(batch))
         stats: dict = {}
         for epoch in range(self.cfg.ppo_epochs):

@@ -69,3 +69,24 @@ def test_activation_checkpointing_and_bf16():
     diff = np.abs(lp0 - lp1)[m].max()
     assert 0 < diff < 0.1, diff  # bf16 compute: close to fp32, not identical
     assert all(p.dtype == torch.float32 for p in bf.model.parameters())  # master weights stay fp32
+
+
+def test_tis_with_one_epoch_needs_no_recompute_pass():
+    """With one epoch the trainer's pre-update logprobs are this step's own forward (detached): the
+    update equals the one with an explicit recompute pass, and the IS weights differ from 1 where
+    the (stale) sampler's logprobs do."""
+    batch = split_by_rank(synthetic_batch(2), 1)[0]
+    batch["old_logprobs"] = batch["old_logprobs"] - 0.3 * batch["loss_mask"]  # a staler behaviour policy
+    tis = {"ppo_epochs": 1, "off_policy_correction": "tis", "tis_cap": 1.2}
+    own = TrainerEngine(MCFG, TCFG.model_copy(update=tis), V, SEED, TEMPERATURE)
+    recomputed = TrainerEngine(MCFG, TCFG.model_copy(update=tis | {"recompute_old_logprobs": True}), V, SEED,
+                               TEMPERATURE)
+    s1, s2 = own.train_step(batch), recomputed.train_step(batch)
+    assert s1["is_truncated"] > 0 and s1["is_weight_sum"] < 1.2 * s1["tokens"]
+    assert abs(s1["is_weight_sum"] - s2["is_weight_sum"]) <= 1e-4 * s1["tokens"]
+    for (name, p1), (_, p2) in zip(own.model.named_parameters(), recomputed.model.named_parameters()):
+        np.testing.assert_allclose(p1.detach().numpy(), p2.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    plain = TrainerEngine(MCFG, TCFG.model_copy(update={"ppo_epochs": 1}), V, SEED, TEMPERATURE)
+    plain.train_step(batch)
+    moved = [float((p1 - p3).abs().max()) for p1, p3 in zip(own.model.parameters(), plain.model.parameters())]
+    assert max(moved) > 1e-6  # the correction changes the update
