@@ -418,17 +418,20 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
 
 @pytest.fixture(scope="module")
 def quickstart_against(tmp_path_factory):
-    """Plan the quickstart on this machine's cpu entry (cached micro-benchmark), write the best
-    runnable placement, train it for 20 steps with `rltpu train`, then compare per phase."""
+    """Plan the quickstart on this machine's cpu entry (cached micro-benchmark), train the
+    quickstart as configured for 20 steps with `rltpu train`, then compare per phase; and train the
+    `--write-config` placement (whatever mode won) for a few steps, to show it runs."""
     tmp = tmp_path_factory.mktemp("against")
     out = tmp / "placed.yaml"
     res = run_plan(QUICKSTART, "--hardware", "cpu", "--write-config", out, "--out", tmp / "report")
     assert res.returncode == 0, res.stderr
-    run = tmp / "run"
-    train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", out, "trainer.steps=20", "progress=false",
-                            "--run-dir", run], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert train.returncode == 0, train.stderr[-3000:]
-    res = run_plan(out, "--against", run, "--json")
+    for cfg, steps, run in ((QUICKSTART, 20, tmp / "run"), (out, 3, tmp / "placed_run")):
+        train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}",
+                                "progress=false", "--run-dir", run], cwd=ROOT, capture_output=True, text=True,
+                               timeout=900)
+        assert train.returncode == 0, train.stderr[-3000:]
+    assert len((tmp / "placed_run" / "metrics.jsonl").read_text().splitlines()) == 3
+    res = run_plan(QUICKSTART, "--hardware", "cpu", "--against", tmp / "run", "--json")
     assert res.returncode == 0, res.stderr
     return {r["phase"]: r for r in json.loads(res.stdout)["against"]["phases"]}
 
