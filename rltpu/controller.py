@@ -10,7 +10,11 @@ One step (``Controller.step``), on-policy:
      step (version v+1);
   4. trainer rank 0 broadcasts the new weights to every sampler over the sync process group;
   5. one line goes to ``metrics.jsonl``.
-Every remote call below is a visible method call on a named actor handle.
+Placement modes change steps 1 and 4 only: with ``placement.staleness`` s > 0 the rollouts of steps
+k+1..k+s are already being generated while step k trains (``_step_async``); with
+``placement.mode: colocated`` each trainer process also runs its chip's sampler and weights pass
+in-process (``_publish_local``). Every remote call below is a visible method call on a named actor
+handle.
 """
 
 from __future__ import annotations
