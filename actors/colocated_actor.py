@@ -25,6 +25,8 @@ class _ColocatedHeartbeat(Heartbeat):
 
 
 class ColocatedActor(TrainerActor):
+    ROLES = {"colocated": True, "engines": ["trainer", "sampler"]}  # marks its claim and reports
+
     def __init__(self, rank: int, cfg_dict: dict):
         super().__init__(rank, cfg_dict)  # ProcessRuntime("trainer", rank, ...): reports as trainer-<rank>
         self.sampler = None
@@ -92,8 +94,7 @@ class ColocatedActor(TrainerActor):
 
     def claim(self, chips, identity, emulated):
         """The chip claim, marked: this one process holds both engines on these chips."""
-        return super().claim(chips, identity, emulated) | {"colocated": True, "engines": ["trainer", "sampler"]}
+        return super().claim(chips, identity, emulated) | self.ROLES
 
     def report(self) -> dict:
-        return self.rt.report() | {"weight_version": self.weight_version(), "colocated": True,
-                                   "engines": ["trainer", "sampler"], "memory": self.memory()}
+        return self.rt.report() | self.ROLES | {"weight_version": self.weight_version(), "memory": self.memory()}

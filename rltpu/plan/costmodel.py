@@ -315,14 +315,9 @@ def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int,
         # the fixed part was measured with the probe's decode steps; it is charged per step (the
         # prefill counting as one): sampling, the cache update and the loop run once per step
         out["program_fixed"] = _log_interp(fit["fixed_s"], H) * (T + 1) / (fit["new_tokens"] + 1)
-        out["prefill"] = f_prefill / rate
-        out["decode"] = T * f_step / rate
-        out["dispatch"] = ray_fanout_s(hw, n_samplers)  # the controller's generate calls, one ray.get
-        if "driver" in hw.cpu:  # the controller draws, merges and scores every row inside this phase
-            out["driver"] = w.rows * hw.cpu["driver"]["sample_s_per_row"]
-        return out
-    if hw.emulated:  # older micro-benchmark: the GEMM rate at this width x the sampler probe's efficiency
+    elif hw.emulated:  # older micro-benchmark: the GEMM rate at this width x the sampler probe's efficiency
         rate = hw.gemm_flops(H, "jax") * cpu_efficiency(hw, "sample", H)
+    if hw.emulated:
         out["prefill"] = f_prefill / rate
         out["decode"] = T * f_step / rate
         out["dispatch"] = ray_fanout_s(hw, n_samplers)  # the controller's generate calls, one ray.get
