@@ -1,7 +1,7 @@
 """One colocated process per trainer chip: an FSDP2 trainer rank *and* a sampler, phases alternating.
 
 It is a trainer actor (group ``trainer``, same rank, same process groups, same checkpoints) that
-also samples; weights pass in-process (``rltpu.colocate.publish_local``), never over the sync
+also samples; weights pass in-process (``rltpu.sync.colocated.publish_local``), never over the sync
 fabric, so it has no ``join_sync`` / ``receive_weights`` and refuses ``push_weights``.
 Both footprints stay resident (``memory()``, also in every ``report()``).
 """
@@ -9,7 +9,7 @@ Both footprints stay resident (``memory()``, also in every ``report()``).
 from __future__ import annotations
 
 from actors.trainer_actor import TrainerActor
-from rltpu.health import Heartbeat
+from rltpu.observe.health import Heartbeat
 
 
 class _ColocatedHeartbeat(Heartbeat):
@@ -45,7 +45,7 @@ class ColocatedActor(TrainerActor):
         """The trainer engine exactly as ``TrainerActor.build``, then the sampler engine exactly as
         ``SamplerActor.build``; returns the sampler's compile log. The sampler has no weights until
         ``publish_local``."""
-        from rltpu.sampler import SamplerEngine, enable_compile_cache
+        from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
 
         super().build(vocab_size)  # phase "loading"
         if cache_dir:
@@ -59,8 +59,8 @@ class ColocatedActor(TrainerActor):
     # -- weights, in-process ---------------------------------------------------------------------
     def publish_local(self, version: int, alias: bool = False, keep_live: bool = False) -> dict:
         """This rank's trainer weights -> its own sampler as ``version``. Collective over the trainer
-        group when it has more than one rank (every rank calls it at once). See rltpu/colocate.py."""
-        from rltpu.colocate import publish_local
+        group when it has more than one rank (every rank calls it at once). See rltpu/sync/colocated.py."""
+        from rltpu.sync.colocated import publish_local
 
         with self.hb.phase("syncing"):
             return publish_local(self.engine.model, self.sampler, self.spec, version, alias, keep_live)
@@ -88,7 +88,7 @@ class ColocatedActor(TrainerActor):
 
     # -- reporting -----------------------------------------------------------------------------------
     def memory(self) -> dict:
-        from rltpu.colocate import process_memory
+        from rltpu.sync.colocated import process_memory
 
         return process_memory(self.engine, self.sampler)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rltpu.health import Heartbeat
-from rltpu.runtime import ProcessRuntime, ray_identity
+from rltpu.observe.health import Heartbeat
+from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
 class RewardActor:

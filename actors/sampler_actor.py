@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rltpu.health import Heartbeat
-from rltpu.runtime import ProcessRuntime, ray_identity
+from rltpu.observe.health import Heartbeat
+from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
 class SamplerActor:
@@ -32,7 +32,7 @@ class SamplerActor:
 
     def build(self, vocab_size: int, pad_id: int, eos_id: int, spec, cache_dir: str | None = None) -> list:
         """Build the engine and its grid; with ``cache_dir`` a restart loads programs from disk."""
-        from rltpu.sampler import SamplerEngine, enable_compile_cache
+        from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
 
         if cache_dir:
             enable_compile_cache(cache_dir)
@@ -48,7 +48,7 @@ class SamplerActor:
     def receive_weights(self, version: int) -> dict:
         """Stage version ``version`` beside the live one; publish only after every sampler verified
         every bucket. On any failure the live version stays and the error propagates."""
-        from rltpu.weight_sync import count_zero_copy, receive_staged, torch_to_jax
+        from rltpu.sync.collective import count_zero_copy, receive_staged, torch_to_jax
 
         with self.hb.phase("syncing"):
             try:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rltpu.health import Heartbeat
-from rltpu.runtime import ProcessRuntime, free_port, ray_identity
+from rltpu.observe.health import Heartbeat
+from rltpu.chips.runtime import ProcessRuntime, ray_identity
+from rltpu.sync.stores import free_port
 
 
 class TrainerActor:
@@ -36,7 +37,7 @@ class TrainerActor:
 
         from learner.trainer import TrainerEngine
 
-        device = self.rt.backend_info["device"]  # resolved once, by rltpu.backend
+        device = self.rt.backend_info["device"]  # resolved once, by rltpu.chips.backend
         mesh = DeviceMesh.from_group(self.rt.trainer_group, device)
         with self.hb.phase("loading"):
             self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
@@ -60,7 +61,7 @@ class TrainerActor:
 
     def push_weights(self, spec, version: int) -> dict:
         """Send this rank's own FSDP shards (no all-gather); every trainer rank takes part."""
-        from rltpu.weight_sync import local_shards, send_shards
+        from rltpu.sync.collective import local_shards, send_shards
 
         shards = local_shards(self.engine.model, [n for n, _, _ in spec])
         with self.hb.phase("syncing"):

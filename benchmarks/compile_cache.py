@@ -28,9 +28,9 @@ CHILD = r"""
 import json, sys, time
 t_start = float(sys.argv[3])
 from rltpu.config import load_config
-from rltpu.sampler import SamplerEngine, enable_compile_cache
-from rltpu.tokenizer import CharTokenizer
-from rltpu.weight_sync import param_spec
+from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
+from rltpu.data.char_tokenizer import CharTokenizer
+from rltpu.sync.collective import param_spec
 from rltpu.models import jax_llama
 from rltpu.models.torch_llama import init_state_dict
 enable_compile_cache(sys.argv[2])

@@ -53,8 +53,8 @@ def write_checkpoint(out: Path, dtype: str) -> int:
     import torch
 
     from rltpu.config import ModelConfig
-    from rltpu.hf.weights import write_safetensors
-    from rltpu.models import param_shapes
+    from rltpu.models.hf.weights import write_safetensors
+    from rltpu.models.spec import param_shapes
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dict(QWEN2_05B, dtype=dtype), indent=1))

@@ -7,7 +7,7 @@ model only (~2 minutes on 2 cores); the full run takes ~8 minutes there.
 
 Prints ONE JSON document on stdout (progress goes to stderr). Everything runs on this machine's
 CPUs: the process is pinned to one CPU set, torch and XLA use the same number of threads, and
-float32 matmuls run at "highest" precision in both libraries (``rltpu.backend`` does both).
+float32 matmuls run at "highest" precision in both libraries (``rltpu.chips.backend`` does both).
 
 What is compared, for two models: the quickstart size (configs/quickstart.yaml, CharTokenizer
 vocab of 17) and a ~20M-parameter Llama (hidden 512, intermediate 1376, 6 layers, 8 heads, 4 KV
@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rltpu import backend  # noqa: E402  (imports torch, not JAX's backend)
+from rltpu.chips import backend  # noqa: E402  (imports torch, not JAX's backend)
 from rltpu.config import ModelConfig, SamplerConfig, load_config  # noqa: E402
-from rltpu.tokenizer import CharTokenizer  # noqa: E402
+from rltpu.data.char_tokenizer import CharTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 16  # every prompt of the fixed-shape runs
@@ -247,7 +247,7 @@ def gemm_peak(n: int = 2048, reps: int = 5) -> dict:
 class Rltpu:
     def __init__(self, cfg: ModelConfig, vocab: int, sd: dict, batch_buckets, prompt_buckets):
         from rltpu.models import jax_llama
-        from rltpu.sampler import SamplerEngine
+        from rltpu.sampling.engine import SamplerEngine
 
         t0 = time.perf_counter()
         scfg = SamplerConfig(group_size=2, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS,

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sampler_profile.py [--model quickstart|llama20m] [--rows 32] [--reps 3]
 
-The sampler's generation program (``rltpu/sampler.py``: prefill + ``lax.while_loop`` of decode
+The sampler's generation program (``rltpu/sampling/engine.py``: prefill + ``lax.while_loop`` of decode
 steps) is rebuilt here from ``rltpu.models.jax_llama``'s pieces with switches that remove or
 replace one part at a time; the difference in per-step time is that part's cost. Nothing in
 rltpu is changed. Variants:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from rltpu import backend  # noqa: E402
+from rltpu.chips import backend  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampler as bench  # noqa: E402  (benchmarks/sampler.py: models, FLOPs, GEMM peak, Monitor)

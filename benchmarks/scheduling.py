@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from rltpu.config import ModelConfig, SamplerConfig  # noqa: E402
 from rltpu.models import jax_llama  # noqa: E402
 from rltpu.models.torch_llama import init_state_dict  # noqa: E402
-from rltpu.sampler import SamplerEngine  # noqa: E402
-from rltpu.weight_sync import param_spec  # noqa: E402
+from rltpu.sampling.engine import SamplerEngine  # noqa: E402
+from rltpu.sync.collective import param_spec  # noqa: E402
 
 V, PAD, EOS = 17, 0, 2
 

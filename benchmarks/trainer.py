@@ -44,7 +44,7 @@ V = 8192
 
 
 def model_flops_per_token(cfg: ModelConfig, L: int) -> float:
-    from rltpu.models import param_shapes
+    from rltpu.models.spec import param_shapes
 
     n = sum(int(np.prod(s)) for k, s in param_shapes(cfg, V).items() if not k.endswith("norm.weight"))
     # embed_tokens is tied: as the LM head it is a matmul, as the input lookup it is not (counted once)
@@ -53,7 +53,7 @@ def model_flops_per_token(cfg: ModelConfig, L: int) -> float:
 
 
 def make_batch(rows: int, L: int, seed: int) -> dict:
-    from rltpu.rollout import build_train_batch, split_by_rank
+    from rltpu.control.batch import build_train_batch, split_by_rank
 
     rng = np.random.default_rng(seed)
     P, T = L // 4, L - L // 4
@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, port: int, args, q) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rltpu.rollout import split_by_rank
+    from rltpu.control.batch import split_by_rank
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from rltpu.rollout import split_by_rank
+    from rltpu.control.batch import split_by_rank
 
     fpt = model_flops_per_token(MCFG, args.len)
     ncpu = len(os.sched_getaffinity(0))

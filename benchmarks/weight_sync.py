@@ -6,7 +6,7 @@ Spawns 2 trainer ranks and max(--samplers) sampler processes once (gloo on 127.0
 then for every model size (millions of parameters) and sampler count measures, in the same run
 and over the same backend:
 
-* ``sharded``: ``rltpu.weight_sync`` (each trainer sends its own dim-0 shards in double-buffered
+* ``sharded``: ``rltpu.sync.collective`` (each trainer sends its own dim-0 shards in double-buffered
   buckets, samplers assemble full tensors in a staging arena and verify checksums);
 * ``raw``: one ``broadcast`` of a single flat buffer of the same byte size from trainer 0 to the
   samplers (the wire's ceiling for a one-source broadcast);
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, port: int, sizes, counts, bucket_bytes, repea
     import torch
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
-    from rltpu.weight_sync import (
+    from rltpu.sync.collective import (
         SyncFabric,
         host_store,
         plan_route,

@@ -33,9 +33,9 @@ def critic_state_from_policy(policy_state: dict[str, torch.Tensor]) -> dict[str,
 
 def load_backbone_from_checkpoint(critic: LlamaForValue, cfg) -> None:
     """Stream the policy checkpoint at ``cfg.path`` into the critic's backbone (``model.*``), each
-    FSDP rank only its rows, like the policy itself (``rltpu.hf.load``); the head stays at zero."""
-    from rltpu.hf.load import _local_rows
-    from rltpu.hf.weights import CheckpointDir
+    FSDP rank only its rows, like the policy itself (``rltpu.models.hf.load``); the head stays at zero."""
+    from rltpu.models.hf.load import _local_rows
+    from rltpu.models.hf.weights import CheckpointDir
 
     ckpt = CheckpointDir(cfg.path)
     params = {k: v for k, v in critic.named_parameters() if k.startswith("model.")}

@@ -14,8 +14,8 @@ import torch
 
 from learner.critic import LlamaForValue
 from rltpu.config import ModelConfig
-from rltpu.hf.config import read_checkpoint_config
-from rltpu.hf.weights import CheckpointDir, CheckpointError
+from rltpu.models.hf.config import read_checkpoint_config
+from rltpu.models.hf.weights import CheckpointDir, CheckpointError
 
 
 class RewardModelEngine:

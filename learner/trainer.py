@@ -64,7 +64,7 @@ class TrainerEngine:
 
     def _build(self, model_cfg, vocab_size, state):
         if state is None:
-            from rltpu.hf.load import build_policy
+            from rltpu.models.hf.load import build_policy
 
             shard = (lambda m: self._parallelize(m)) if self.mesh is not None else None
             return build_policy(model_cfg, vocab_size, shard, self.device)

@@ -32,9 +32,9 @@ def _sigterm(signum, frame):
 def cmd_train(args) -> int:
     import signal
 
-    from rltpu.cluster import PlacementError
-    from rltpu.health import HealthError
-    from rltpu.topology import ChipConflictError
+    from rltpu.chips.cluster import PlacementError
+    from rltpu.observe.health import HealthError
+    from rltpu.chips.topology import ChipConflictError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -43,7 +43,7 @@ def cmd_train(args) -> int:
         ckpt = cfg.resolved_run_dir / "checkpoint"
         if args.resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
             raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at the run)")
-        from rltpu.controller import Controller
+        from rltpu.control.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=args.resume)
     except (ConfigError, ValueError) as err:
@@ -82,7 +82,7 @@ def cmd_plan(args) -> int:
     import json
     from pathlib import Path
 
-    from rltpu.plan import make_plan
+    from rltpu.plan.planner import make_plan
     from rltpu.plan import report as plan_report
 
     try:
@@ -133,7 +133,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from rltpu.hf.export import export_checkpoint
+    from rltpu.models.hf.export import export_checkpoint
 
     try:
         summary = export_checkpoint(args.checkpoint, args.out_dir)
@@ -146,7 +146,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_tiny_checkpoint(args) -> int:
-    from rltpu.hf.tiny import run
+    from rltpu.models.hf.tiny import run
 
     try:
         return run(args)
@@ -156,7 +156,7 @@ def cmd_tiny_checkpoint(args) -> int:
 
 def cmd_status(args) -> int:
     """Exit 0 healthy (or finished), 1 unhealthy, 2 no health file."""
-    from rltpu.health import assess, format_status, read_health
+    from rltpu.observe.health import assess, format_status, read_health
 
     try:
         doc = read_health(args.run_dir)
@@ -174,7 +174,7 @@ def cmd_status(args) -> int:
 def cmd_dashboard(args) -> int:
     from pathlib import Path
 
-    from rltpu.dashboard import serve
+    from rltpu.observe.dashboard import serve
 
     if not Path(args.run_dir).is_dir():
         return _fail(f"no run directory {args.run_dir}; pass the run_dir of `rltpu train` (e.g. runs/quickstart)")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint")
     p.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
     p.set_defaults(func=cmd_export, overrides=[])
-    from rltpu.hf.tiny import add_arguments
+    from rltpu.models.hf.tiny import add_arguments
 
     p = sub.add_parser("tiny-checkpoint", help="write a tiny random HF checkpoint (needs transformers)")
     add_arguments(p)

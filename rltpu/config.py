@@ -146,7 +146,7 @@ class ModelConfig(_Section):
     """A Llama-family decoder; names and shapes follow Hugging Face ``LlamaConfig`` / ``Qwen2Config``...
 
     With ``path`` (a local Hugging Face directory) every field in ``ARCH_FIELDS`` comes from its
-    config.json (``rltpu.hf.config``); the same field also set in the YAML must agree with it.
+    config.json (``rltpu.models.hf.config``); the same field also set in the YAML must agree with it.
     """
 
     path: str | None = None  # local HF model dir (config.json + safetensors); never a hub id
@@ -178,9 +178,9 @@ class ModelConfig(_Section):
             return data
         data = dict(data)
         if data.get("path") is not None:
-            from rltpu.hf.config import merge_checkpoint_config
+            from rltpu.models.hf.config import merge_checkpoint_config
 
-            data = merge_checkpoint_config(data)  # ValueError (one line) on disagreement or a bad file
+            data = merge_checkpoint_config(data, ARCH_FIELDS)  # ValueError (one line) on disagreement or a bad file
         if data.get("head_dim") is None:
             hidden = data.get("hidden_size", cls.model_fields["hidden_size"].default)
             heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
@@ -227,7 +227,7 @@ class TaskConfig(_Section):
     """The prompt source and the reward.
 
     Without ``dataset`` a built-in synthetic task (``name``) is used: no download, char tokenizer.
-    With ``dataset`` prompts come from a JSONL/JSON/Parquet file (``rltpu.datasets``): a text
+    With ``dataset`` prompts come from a JSONL/JSON/Parquet file (``rltpu.data.sources``): a text
     column ``prompt_key`` or chat messages ``messages_key`` (rendered with the tokenizer's chat
     template); every other column reaches the reward function in ``example``.
     """
@@ -235,7 +235,7 @@ class TaskConfig(_Section):
     name: Literal["copy", "reverse", "sort"] = "copy"
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
-    reward_fn: str = "rltpu.rewards:partial_credit"  # any importable ``module:function``
+    reward_fn: str = "rltpu.data.rewards:partial_credit"  # any importable ``module:function``
     reward_weight: float = Field(1.0, ge=0)  # weight of reward_fn beside a reward model (0: model only)
     reward_kwargs: dict[str, Any] = {}  # keyword arguments bound to reward_fn (e.g. {column: answer})
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
@@ -393,7 +393,7 @@ class SyncConfig(_Section):
 
 
 class BackendConfig(_Section):
-    """Device, threads and matmul precision, applied in every actor by ``rltpu.backend``."""
+    """Device, threads and matmul precision, applied in every actor by ``rltpu.chips.backend``."""
 
     device: Literal["auto", "tpu", "cuda", "cpu"] = "auto"
     matmul_precision: Literal["medium", "high", "highest"] = "highest"
@@ -418,7 +418,7 @@ class PhaseDeadlines(_Section):
 
 
 class HealthConfig(_Section):
-    """Heartbeats, deadlines and restarts (``rltpu.health``)."""
+    """Heartbeats, deadlines and restarts (``rltpu.observe.health``)."""
 
     enabled: bool = True
     heartbeat_s: float = Field(1.0, gt=0)  # each actor reports this often, from its own thread

@@ -7,7 +7,7 @@ heavy to load it."""
 import json
 import os
 
-from rltpu.rewards import exact_answer
+from rltpu.data.rewards import exact_answer
 
 REWARD_LOG = "RLTPU_TEST_HF_REWARD_LOG"
 

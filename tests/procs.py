@@ -21,7 +21,7 @@ def spawn_ranks(target, world: int, args: tuple, timeout_s: float, what: str = "
     """Start ``target(rank, world, port, *args, q)`` per rank; each puts ``(rank, report)`` on ``q``."""
     import torch.multiprocessing as mp
 
-    from rltpu.runtime import free_port
+    from rltpu.sync.stores import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -56,7 +56,7 @@ def ray_head(tag: str, env: dict, tpu_chips: int = 4):
     """A Ray head (``ray start --head --block``) on 127.0.0.1 with ``tpu_chips`` emulated TPU chips
     labelled as one host of one slice; yields its address. Shared by a module's runs so each pays
     for its actors and compiles but not a cluster start."""
-    from rltpu.runtime import free_port
+    from rltpu.sync.stores import free_port
 
     port = free_port()
     temp = Path("/tmp") / f"rltpu-{tag}-{os.getpid()}"

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from rltpu import backend
+from rltpu.chips import backend
 from rltpu.config import BackendConfig
 
 

@@ -15,11 +15,11 @@ import torch
 from procs import spawn_ranks
 
 from learner.trainer import TrainerEngine
-from rltpu.colocate import full_params_for_sampler, process_memory, publish_local
+from rltpu.sync.colocated import full_params_for_sampler, process_memory, publish_local
 from rltpu.config import ModelConfig, RunConfig, SamplerConfig, TrainerConfig
-from rltpu.rollout import build_train_batch, split_by_rank
-from rltpu.sampler import SamplerEngine
-from rltpu.weight_sync import param_spec, shard_rows
+from rltpu.control.batch import build_train_batch, split_by_rank
+from rltpu.sampling.engine import SamplerEngine
+from rltpu.sync.collective import param_spec, shard_rows
 
 torch.set_num_threads(1)
 torch.set_float32_matmul_precision("highest")

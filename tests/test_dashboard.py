@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rltpu.dashboard import serve
-from rltpu.health import actor_rows, write_health
+from rltpu.observe.dashboard import serve
+from rltpu.observe.health import actor_rows, write_health
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from rltpu.data import SyntheticPromptDataset, make_example
-from rltpu.rewards import exact_match, load_reward_fn, partial_credit
-from rltpu.tokenizer import CharTokenizer
+from rltpu.data.synthetic import SyntheticPromptDataset, make_example
+from rltpu.data.rewards import exact_match, load_reward_fn, partial_credit
+from rltpu.data.char_tokenizer import CharTokenizer
 
 
 def test_tasks_depend_on_the_whole_prompt():
@@ -27,9 +27,9 @@ def test_partial_credit_by_hand():
 
 
 def test_reward_fn_import_errors_name_the_problem():
-    assert load_reward_fn("rltpu.rewards:exact_match") is exact_match
+    assert load_reward_fn("rltpu.data.rewards:exact_match") is exact_match
     with pytest.raises(ValueError, match="no function 'nope'"):
-        load_reward_fn("rltpu.rewards:nope")
+        load_reward_fn("rltpu.data.rewards:nope")
 
 
 def test_tokenizer_round_trip_and_visible_specials():

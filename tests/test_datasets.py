@@ -7,15 +7,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rltpu.chat_example import make_tiny_tokenizer
+from rltpu.data.chat_example import make_tiny_tokenizer
 from rltpu.config import ConfigError, build_config
-from rltpu.data import SyntheticPromptDataset
-from rltpu.datasets import DatasetError, PromptDataset, build_dataset, check_prompt_lengths, read_prompt_file
-from rltpu.rewards import exact_answer, load_reward_fn, normalize_answer
-from rltpu.rollout import score
+from rltpu.data.synthetic import SyntheticPromptDataset
+from rltpu.data.sources import DatasetError, PromptDataset, build_dataset, check_prompt_lengths, read_prompt_file
+from rltpu.data.rewards import exact_answer, load_reward_fn, normalize_answer
+from rltpu.control.batch import score
 
 pytest.importorskip("transformers")
-from rltpu.hf_tokenizer import HFTokenizer  # noqa: E402
+from rltpu.data.hf_tokenizer import HFTokenizer  # noqa: E402
 
 
 def make_rows(n=23):
@@ -146,12 +146,12 @@ def test_exact_answer_normalises_and_reads_a_configurable_column():
     assert exact_answer(" 42.", {"answer": "42"}) == 1.0
     assert exact_answer("43", {"answer": "42"}) == 0.0
     assert exact_answer("forty-two", {"answer": ["42", "Forty-Two"]}) == 1.0
-    fn = load_reward_fn("rltpu.rewards:exact_answer", {"column": "reference"})
+    fn = load_reward_fn("rltpu.data.rewards:exact_answer", {"column": "reference"})
     assert fn("x", {"reference": "X"}) == 1.0
     with pytest.raises(ConfigError, match="no 'answer' column .*task.reward_kwargs.column"):
         exact_answer("42", {"prompt": "p"})
-    with pytest.raises(ValueError, match="do not fit rltpu.rewards:exact_answer"):
-        load_reward_fn("rltpu.rewards:exact_answer", {"colum": "reference"})
+    with pytest.raises(ValueError, match="do not fit rltpu.data.rewards:exact_answer"):
+        load_reward_fn("rltpu.data.rewards:exact_answer", {"colum": "reference"})
 
 
 def test_build_dataset_picks_file_or_synthetic(jsonl, tok):
@@ -238,7 +238,7 @@ def test_chat_template_failure_names_the_row(tmp_path):
 
 def test_config_keys_validate_in_one_line(jsonl):
     cfg = build_config({"task": {"dataset": str(jsonl), "prompt_key": "q", "tokenizer": "/t", "shuffle": False,
-                                 "reward_fn": "rltpu.rewards:exact_answer", "reward_kwargs": {"column": "ref"}}})
+                                 "reward_fn": "rltpu.data.rewards:exact_answer", "reward_kwargs": {"column": "ref"}}})
     assert cfg.task.prompt_key == "q" and cfg.task.reward_kwargs == {"column": "ref"}
     with pytest.raises(ConfigError, match=r"must end in .jsonl, .json, .parquet") as err:
         build_config({"task": {"dataset": "data.csv"}})
@@ -267,7 +267,7 @@ def test_cli_fails_in_one_line_before_starting_anything(tmp_path):
     import sys
     from pathlib import Path
 
-    from rltpu.chat_example import write_chat_example
+    from rltpu.data.chat_example import write_chat_example
 
     root = Path(__file__).resolve().parents[1]
     made = write_chat_example(tmp_path, num_rows=8)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from learner.checkpoint import load_checkpoint
-from rltpu.metrics import read_metrics
-from rltpu.runtime import free_port
+from rltpu.observe.metrics import read_metrics
+from rltpu.sync.stores import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -15,7 +15,7 @@ from pathlib import Path
 import procs
 import pytest
 
-from rltpu.metrics import read_metrics
+from rltpu.observe.metrics import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from algorithms import PRESETS  # noqa: E402  (the presets the benchmark documents)

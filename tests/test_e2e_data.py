@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rltpu.rewards import exact_answer
+from rltpu.data.rewards import exact_answer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +34,9 @@ def recording_reward(completion: str, example: dict, column: str = "") -> float:
 def test_train_on_chat_jsonl_with_a_local_tokenizer(tmp_path):
     pytest.importorskip("transformers")
     from learner.checkpoint import load_checkpoint
-    from rltpu.chat_example import write_chat_example
-    from rltpu.hf_tokenizer import HFTokenizer
-    from rltpu.metrics import read_metrics
+    from rltpu.data.chat_example import write_chat_example
+    from rltpu.data.hf_tokenizer import HFTokenizer
+    from rltpu.observe.metrics import read_metrics
 
     made = write_chat_example(tmp_path / "data", num_rows=40)
     rows = {json.loads(line)["id"]: json.loads(line) for line in Path(made["dataset"]).read_text().splitlines()}

@@ -18,8 +18,8 @@ from pathlib import Path
 import procs
 import pytest
 
-from rltpu.ledger import check, effective, read_ledger
-from rltpu.metrics import read_metrics
+from rltpu.observe.ledger import check, effective, read_ledger
+from rltpu.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -72,7 +72,7 @@ def test_colocated_learns_one_process_per_chip_and_survives_a_kill(ray_head, tmp
     """Colocated on 4 chips: one process per chip holds both engines; SIGKILL of one at step 25
     restarts the trainer group from the step-20 checkpoint (health, ledger unchanged from the
     disaggregated path) and the run still learns."""
-    from rltpu.health import read_health
+    from rltpu.observe.health import read_health
 
     run_dir = tmp_path / "run"
     proc = train(run_dir, ray_head, *COLOCATED, "checkpoint.every_steps=10", wait=False)

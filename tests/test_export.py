@@ -20,10 +20,10 @@ transformers = pytest.importorskip("transformers")
 from learner.checkpoint import save_checkpoint  # noqa: E402
 from learner.trainer import TrainerEngine  # noqa: E402
 from rltpu.config import ConfigError, RunConfig  # noqa: E402
-from rltpu.hf.export import export_checkpoint  # noqa: E402
-from rltpu.hf.tiny import write_tiny_checkpoint  # noqa: E402
-from rltpu.rollout import build_train_batch, split_by_rank  # noqa: E402
-from rltpu.tokenizer import CharTokenizer  # noqa: E402
+from rltpu.models.hf.export import export_checkpoint  # noqa: E402
+from rltpu.models.hf.tiny import write_tiny_checkpoint  # noqa: E402
+from rltpu.control.batch import build_train_batch, split_by_rank  # noqa: E402
+from rltpu.data.char_tokenizer import CharTokenizer  # noqa: E402
 
 torch.set_float32_matmul_precision("highest")
 ROOT = Path(__file__).resolve().parents[1]

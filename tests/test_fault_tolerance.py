@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rltpu.dashboard import serve
-from rltpu.health import read_health
-from rltpu.ledger import check, effective, read_ledger
-from rltpu.metrics import read_metrics
+from rltpu.observe.dashboard import serve
+from rltpu.observe.health import read_health
+from rltpu.observe.ledger import check, effective, read_ledger
+from rltpu.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from learner.checkpoint import history, latest_valid, load_checkpoint, save_checkpoint
-from rltpu.health import Heartbeat, HealthMonitor, actor_rows, assess, decide, trace_events, write_health
-from rltpu.ledger import Ledger, check, effective, read_ledger
+from rltpu.observe.health import Heartbeat, HealthMonitor, actor_rows, assess, decide, trace_events, write_health
+from rltpu.observe.ledger import Ledger, check, effective, read_ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINES = {"compiling": 100.0, "sampling": 10.0, "syncing": 2.0, "training": 10.0}
@@ -185,7 +185,7 @@ def test_trace_is_chrome_trace_format():
 
 def test_loggers_jsonl_always_and_optional_ones_checked(tmp_path):
     from rltpu.config import ConfigError, load_config
-    from rltpu.loggers import build_loggers, check_loggers
+    from rltpu.observe.loggers import build_loggers, check_loggers
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["progress=false"])
     lg = build_loggers(cfg, tmp_path, 2)
@@ -204,7 +204,7 @@ def test_loggers_jsonl_always_and_optional_ones_checked(tmp_path):
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is None, reason="tensorboard not installed")
 def test_tensorboard_event_files(tmp_path):
     from rltpu.config import load_config
-    from rltpu.loggers import build_loggers
+    from rltpu.observe.loggers import build_loggers
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["progress=false", "loggers.tensorboard=true"])
     lg = build_loggers(cfg, tmp_path, 1)
@@ -216,7 +216,7 @@ def test_tensorboard_event_files(tmp_path):
 @pytest.mark.skipif(__import__("importlib").util.find_spec("mlflow") is None, reason="mlflow not installed")
 def test_mlflow_file_store(tmp_path):
     from rltpu.config import load_config
-    from rltpu.loggers import build_loggers
+    from rltpu.observe.loggers import build_loggers
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["progress=false", "loggers.mlflow=true"])
     lg = build_loggers(cfg, tmp_path, 1)
@@ -228,7 +228,7 @@ def test_mlflow_file_store(tmp_path):
 @pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is None, reason="wandb not installed")
 def test_wandb_offline(tmp_path):
     from rltpu.config import load_config
-    from rltpu.loggers import build_loggers
+    from rltpu.observe.loggers import build_loggers
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["progress=false", "loggers.wandb=true"])
     lg = build_loggers(cfg, tmp_path, 1)

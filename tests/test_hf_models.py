@@ -1,6 +1,6 @@
 """Real Hugging Face checkpoints in both engines.
 
-Every checkpoint here is written by ``transformers`` itself (``rltpu.hf.tiny``), so the file
+Every checkpoint here is written by ``transformers`` itself (``rltpu.models.hf.tiny``), so the file
 layout, names and config keys are the real ones; the reference numbers are ``transformers``'
 own forward and greedy ``generate``. Negative controls switch one feature off in our config and
 show the comparison then fails, so a passing comparison means the feature is really exercised.
@@ -25,11 +25,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from rltpu.config import ConfigError, ModelConfig, RunConfig, SamplerConfig, TrainerConfig, load_config  # noqa: E402
-from rltpu.hf.load import build_policy, load_jax_params  # noqa: E402
-from rltpu.hf.tiny import write_tiny_checkpoint  # noqa: E402
-from rltpu.hf.weights import CheckpointDir, CheckpointError  # noqa: E402
-from rltpu.models import jax_llama, param_shapes  # noqa: E402
-from rltpu.sampler import SamplerEngine  # noqa: E402
+from rltpu.models.hf.load import build_policy, load_jax_params  # noqa: E402
+from rltpu.models.hf.tiny import write_tiny_checkpoint  # noqa: E402
+from rltpu.models.hf.weights import CheckpointDir, CheckpointError  # noqa: E402
+from rltpu.models import jax_llama
+from rltpu.models.spec import param_shapes  # noqa: E402
+from rltpu.sampling.engine import SamplerEngine  # noqa: E402
 from procs import spawn_ranks  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -205,7 +206,7 @@ def _fsdp_load_worker(rank, world, port, path, q):
     from torch.distributed.device_mesh import init_device_mesh
 
     from learner.trainer import TrainerEngine
-    from rltpu.hf import load as hf_load
+    from rltpu.models.hf import load as hf_load
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -280,7 +281,7 @@ def test_train_cli_stops_on_a_truncated_checkpoint_before_starting(ckpts, tmp_pa
     """``rltpu train`` checks every header before Ray starts: exit 2, one line, file and tensor."""
     import shutil
 
-    from rltpu.chat_example import write_chat_example
+    from rltpu.data.chat_example import write_chat_example
 
     d = tmp_path / "m"
     shutil.copytree(ckpts["qwen2-tied"], d)
@@ -343,7 +344,7 @@ def test_missing_tokenizer_is_one_line(ckpts, tmp_path):
     """model.path is also the tokenizer directory: without tokenizer files the run stops at once."""
     import shutil
 
-    from rltpu.datasets import build_tokenizer
+    from rltpu.data.sources import build_tokenizer
 
     d = tmp_path / "m"
     shutil.copytree(ckpts["qwen2-tied"], d)
@@ -363,7 +364,7 @@ def test_tiny_checkpoint_cli_and_missing_transformers(tmp_path):
     cfg = ModelConfig(path=json.loads(res.stdout.strip().splitlines()[-1])["path"])
     assert (cfg.architecture, cfg.sliding_window) == ("mistral", 4)
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "from rltpu.hf.tiny import write_tiny_checkpoint\n"
+            "from rltpu.models.hf.tiny import write_tiny_checkpoint\n"
             f"write_tiny_checkpoint({str(tmp_path / 'u')!r})")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("rltpu: error:")
@@ -375,7 +376,7 @@ def test_core_path_does_not_import_transformers():
     code = ("import sys\n"
             "from rltpu.config import ModelConfig, TrainerConfig\n"
             "from learner.trainer import TrainerEngine\n"
-            "import rltpu.hf.load, rltpu.hf.export, rltpu.cli\n"
+            "import rltpu.models.hf.load, rltpu.models.hf.export, rltpu.cli\n"
             "TrainerEngine(ModelConfig(), TrainerConfig(), 17, 0)\n"
             "assert 'transformers' not in sys.modules, 'transformers imported'\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -392,8 +393,8 @@ def test_train_on_tiny_qwen2_checkpoint_with_chat_jsonl_then_export(tmp_path):
     version 0 by weight sync, the tokenizer and chat template come from the same directory and the
     reward reads the row's ``answer`` column. The run's checkpoint then exports to a directory
     transformers loads with the trained policy's logits (checked against our own engine on it)."""
-    from rltpu.chat_example import write_chat_example
-    from rltpu.metrics import read_metrics
+    from rltpu.data.chat_example import write_chat_example
+    from rltpu.observe.metrics import read_metrics
 
     model_dir = write_tiny_checkpoint(tmp_path / "tiny-qwen2", "qwen2", tied=True)
     made = write_chat_example(tmp_path / "data", num_rows=40)

@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rltpu.chat_example import CHATML_TEMPLATE, make_tiny_tokenizer  # noqa: E402
+from rltpu.data.chat_example import CHATML_TEMPLATE, make_tiny_tokenizer  # noqa: E402
 from rltpu.config import ConfigError, build_config  # noqa: E402
-from rltpu.datasets import build_tokenizer, resolve_vocab, with_tokenizer_stops  # noqa: E402
-from rltpu.hf_tokenizer import HFTokenizer, TokenizerError  # noqa: E402
-from rltpu.tokenizer import CharTokenizer  # noqa: E402
+from rltpu.data.sources import build_tokenizer, resolve_vocab, with_tokenizer_stops  # noqa: E402
+from rltpu.data.hf_tokenizer import HFTokenizer, TokenizerError  # noqa: E402
+from rltpu.data.char_tokenizer import CharTokenizer  # noqa: E402
 
 CORPUS = ["Repeat: 1 2 3", "What is 2 + 3?", "The answer is 5.", "hello world", "user assistant system"] * 4
 

@@ -10,7 +10,7 @@ from learner.losses import (LossScale, aggregate, discounted_returns, gae, grpo_
                             outcome_token_rewards, policy_loss, rloo_advantages, token_advantages,
                             token_logprobs, whiten)
 from rltpu.config import ConfigError, load_config
-from rltpu.rollout import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
+from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                            select_groups, split_by_rank)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from learner.microbatch import padding_fraction, plan_microbatches, row_spans, slice_batch
 from learner.trainer import TrainerEngine
-from rltpu.rollout import split_by_rank
+from rltpu.control.batch import split_by_rank
 from test_trainer_fsdp import MCFG, SEED, TCFG, TEMPERATURE, V, synthetic_batch
 
 torch.set_num_threads(1)

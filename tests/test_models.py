@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rltpu.config import ModelConfig
-from rltpu.models import jax_llama, param_shapes
+from rltpu.models import jax_llama
+from rltpu.models.spec import param_shapes
 from rltpu.models.torch_llama import LlamaForCausalLM, RMSNorm, init_state_dict
 
 jax.config.update("jax_default_matmul_precision", "highest")

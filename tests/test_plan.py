@@ -16,14 +16,14 @@ import pytest
 import yaml
 
 from rltpu.config import ConfigError, load_config
-from rltpu.models import param_shapes
+from rltpu.models.spec import param_shapes
 from rltpu.plan import costmodel as cm
-from rltpu.plan import make_plan
+from rltpu.plan.planner import make_plan
 from rltpu.plan.calibrate import compare
 from rltpu.plan.candidates import Candidate, evaluate
 from rltpu.plan.hardware import GiB, check_topology
 from rltpu.plan.writer import placed_config
-from rltpu.topology import ChipTable, assign_roles
+from rltpu.chips.topology import ChipTable, assign_roles
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -10,7 +10,7 @@ import torch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.config import ConfigError, CriticConfig, TrainerConfig, load_config
-from rltpu.rollout import build_train_batch, split_by_rank
+from rltpu.control.batch import build_train_batch, split_by_rank
 from test_trainer_fsdp import MCFG, G, SEED, TEMPERATURE, V, synthetic_batch
 
 torch.set_num_threads(1)
@@ -74,13 +74,12 @@ def test_critic_from_model_path_streams_the_backbone(tmp_path):
     """With model.path the critic's backbone is read from the checkpoint (no gathered copy): it
     equals the policy's backbone, and its head starts at zero."""
     pytest.importorskip("transformers")
-    from rltpu.hf.tiny import write_tiny_checkpoint
+    from rltpu.models.hf.tiny import write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path / "ck", "qwen2")
     from rltpu.config import ModelConfig
-    from rltpu.hf.config import merge_checkpoint_config
 
-    mcfg = ModelConfig(**merge_checkpoint_config({"path": str(tmp_path / "ck")}))
+    mcfg = ModelConfig(path=str(tmp_path / "ck"))  # the checkpoint's config.json fills the fields
     eng = TrainerEngine(mcfg, TCFG, mcfg.vocab_size, SEED, TEMPERATURE, critic_cfg=CCFG)
     pol = dict(eng.model.named_parameters())
     for name, p in eng.critic.named_parameters():

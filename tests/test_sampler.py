@@ -14,8 +14,8 @@ import torch
 from rltpu.config import ModelConfig, SamplerConfig
 from rltpu.models import jax_llama
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
-from rltpu.rollout import build_train_batch
-from rltpu.sampler import SamplerEngine
+from rltpu.control.batch import build_train_batch
+from rltpu.sampling.engine import SamplerEngine
 
 torch.set_num_threads(1)
 torch.set_float32_matmul_precision("highest")

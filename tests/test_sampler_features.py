@@ -105,7 +105,7 @@ _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, sys.argv[2])
-from rltpu.sampler import SamplerEngine, enable_compile_cache
+from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
 enable_compile_cache(sys.argv[1])
 from rltpu.models import jax_llama
 from test_sampler import GRID, _engine, _state

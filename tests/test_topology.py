@@ -3,7 +3,7 @@
 import pytest
 
 from rltpu.config import ClusterConfig, ConfigError, PlacementConfig
-from rltpu.topology import (
+from rltpu.chips.topology import (
     GENERATION_FACTS,
     ChipConflictError,
     ChipTable,

@@ -16,7 +16,7 @@ import torch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.config import ModelConfig, TrainerConfig
-from rltpu.rollout import build_train_batch, split_by_rank
+from rltpu.control.batch import build_train_batch, split_by_rank
 from procs import spawn_ranks
 
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 from procs import spawn_ranks
 
 from rltpu.config import ModelConfig
-from rltpu.weight_sync import (
+from rltpu.sync.collective import (
     ALIGN_BYTES,
     direct_min_bytes,
     param_spec,
@@ -167,7 +167,7 @@ def _vm(key: str) -> int:
 def _worker(rank: int, world: int, port: int, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from rltpu.weight_sync import (
+    from rltpu.sync.collective import (
         SyncFabric,
         WeightSyncError,
         host_store,
@@ -267,7 +267,7 @@ def test_trainer_peak_extra_memory_is_at_most_two_buckets(two_slice_run):
 def _fault_worker(rank: int, port: int, replacement: bool, ready, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from rltpu.weight_sync import (
+    from rltpu.sync.collective import (
         SyncFabric,
         WeightSyncError,
         host_store,
@@ -323,7 +323,7 @@ def _fault_worker(rank: int, port: int, replacement: bool, ready, q) -> None:
 def test_sampler_killed_mid_sync_survivors_keep_old_version_and_replacement_joins():
     import torch.multiprocessing as mp
 
-    from rltpu.runtime import free_port
+    from rltpu.sync.stores import free_port
 
     ctx = mp.get_context("spawn")
     q, port, ready = ctx.Queue(), free_port(), ctx.Event()
@@ -367,8 +367,8 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     from rltpu.config import BackendConfig, SamplerConfig, TrainerConfig
-    from rltpu.runtime import ProcessRuntime
-    from rltpu.weight_sync import (
+    from rltpu.chips.runtime import ProcessRuntime
+    from rltpu.sync.collective import (
         SyncFabric,
         host_store,
         local_shards,
@@ -402,7 +402,7 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
         logits = eng.probe_logits(PROBE_TOKENS, pos, PROBE_MASK)
         q.put((rank, (st, np.asarray(logits, np.float32))))
     else:
-        from rltpu.sampler import SamplerEngine
+        from rltpu.sampling.engine import SamplerEngine
 
         shapes = {n: (s, d) for n, s, d in spec}
         eng = SamplerEngine(MCFG, SamplerConfig(max_new_tokens=4, prompt_buckets=[8]), V, 0, 1, shapes)
@@ -415,7 +415,7 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
 
 @pytest.mark.parametrize("wire", ["auto", "bfloat16"])
 def test_sampler_logits_equal_fsdp_trainer_logits_after_sync(wire, monkeypatch):
-    from rltpu.runtime import free_port
+    from rltpu.sync.stores import free_port
 
     monkeypatch.setenv("RLTPU_TEST_SYNC_PORT", str(free_port()))
     res = spawn_ranks(_logits_worker, M + 1, (wire,), JOIN_TIMEOUT_S, f"logits {wire}")

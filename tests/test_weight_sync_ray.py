@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rltpu.metrics import read_metrics
+from rltpu.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")

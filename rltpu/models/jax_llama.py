@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rltpu.config import ModelConfig
-from rltpu.models import rope_inv_freq
+from rltpu.models.spec import rope_inv_freq
 
 Params = Mapping[str, jax.Array]
 _F32 = jnp.float32

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rltpu.config import ModelConfig
-from rltpu.models import param_shapes, resolve_vocab_size, rope_inv_freq
+from rltpu.models.spec import param_shapes, resolve_vocab_size, rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from rltpu.config import ConfigError
-from rltpu.plan import Plan
+from rltpu.plan.planner import Plan
 
 PHASES = (("sample", "sample_s"), ("train", "train_s"), ("sync", "sync_s"), ("step", "step_s"))
 

@@ -7,7 +7,7 @@ Candidates (all over the chips of ``cluster``):
 * colocated: one process per chip group holds both roles; both footprints stay resident (a TPU
   has no "sleep mode" to free HBM), FSDP over every chip, sampler TP inside each process;
 plus the placement the config asks for, marked ``as_configured``. Chips come from
-``rltpu.topology.assign_roles``, the same function ``rltpu train`` places actors with. The
+``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with. The
 reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from rltpu.config import ConfigError, PlacementConfig, RunConfig
 from rltpu.plan import costmodel as cm
 from rltpu.plan.hardware import Hardware
-from rltpu.topology import ChipTable, Role, assign_roles
+from rltpu.chips.topology import ChipTable, Role, assign_roles
 
 MODES = ("disaggregated", "async", "colocated")
 RUNNABLE_MODES = MODES  # `rltpu train` runs all three (placement.mode, placement.staleness)

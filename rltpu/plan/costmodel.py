@@ -26,8 +26,8 @@ from pathlib import Path
 
 from rltpu.config import ConfigError, ModelConfig, RunConfig
 from rltpu.plan.hardware import GiB, Hardware
+from rltpu.plan.shapes import DTYPE_BYTES, PROBE, ModelShape  # noqa: F401 - cm.ModelShape for callers
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 PRECISION_PASSES = {"medium": 1, "high": 3, "highest": 6}  # MXU passes for fp32 inputs (hardware md)
 
 HOST_S_PER_ROW = 20e-6  # driver: decode + reward_fn + advantages per completion (stated; TPU entries)
@@ -41,57 +41,6 @@ def host_s_per_row(hw: Hardware) -> float:
         return hw.cpu["driver"]["host_s_per_row"]
     return HOST_S_PER_ROW
 COMPILE_BASE_S, COMPILE_PER_LAYER_S = 3.0, 1.0  # one XLA program; rough assumption, not calibrated
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    inter: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    dtype: str
-
-    @classmethod
-    def from_config(cls, m: ModelConfig, vocab: int) -> "ModelShape":
-        return cls(m.num_hidden_layers, m.hidden_size, m.intermediate_size, m.num_attention_heads,
-                   m.num_key_value_heads, m.head_dim, vocab, m.tie_word_embeddings, m.dtype)
-
-    @property
-    def bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        H, q = self.hidden, self.heads * self.head_dim
-        return H * q * 2 + H * self.kv_dim * 2 + 3 * H * self.inter + 2 * H
-
-    @property
-    def params(self) -> int:
-        """Same count as ``rltpu.models.param_shapes`` (embedding, layers, final norm, untied head)."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights each token multiplies by (2 FLOPs each): every linear layer and the head."""
-        return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
-
-    def tensor_numels(self) -> list[int]:
-        """Element counts of every tensor, in ``rltpu.models.param_shapes`` order."""
-        H, q = self.hidden, self.heads * self.head_dim
-        layer = [q * H, self.kv_dim * H, self.kv_dim * H, H * q, self.inter * H, self.inter * H, H * self.inter, H, H]
-        return [self.vocab * H, *layer * self.layers, H, *([] if self.tied else [self.vocab * H])]
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_dim * self.bytes
 
 
 @dataclass(frozen=True)
@@ -158,7 +107,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                           hf.get("vocab_size", 32000), bool(hf.get("tie_word_embeddings", False)), m.dtype)
     vocab = m.vocab_size
     if vocab is None:
-        from rltpu.tokenizer import CharTokenizer
+        from rltpu.data.char_tokenizer import CharTokenizer
 
         vocab = CharTokenizer().vocab_size
     return ModelShape.from_config(m, vocab)
@@ -220,7 +169,6 @@ def cpu_efficiency(hw: Hardware, kind: str, width: int | None = None) -> float:
     small Llama through rltpu's own ``SamplerEngine``). It was probed at several widths: the one
     nearest ``width`` (log scale) is used. Capped at 1."""
     cpu = hw.cpu
-    from rltpu.plan.microbench import PROBE
 
     if kind != "sample":
         raise ValueError(f"no efficiency probe for {kind!r}; training uses cpu_train_fit")
@@ -389,7 +337,7 @@ class Hop:
 
 def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slices: list[int],
                sampler_slices: dict[int, int], n_samplers: int, colocated: bool) -> list[Hop]:
-    """Weight sync, hop by hop, after the design in ``rltpu/weight_sync.py``: every trainer streams
+    """Weight sync, hop by hop, after the design in ``rltpu/sync/collective.py``: every trainer streams
     its own FSDP shard (W/f bytes, no gather) in buckets; a stream reaches the samplers of its own
     slice by one broadcast (ICI) and crosses DCN once per other slice that holds samplers, to a
     relay sampler that re-broadcasts inside its slice (ICI). Streams run in parallel from their own

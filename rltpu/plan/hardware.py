@@ -1,7 +1,7 @@
 """Per-chip hardware figures the planner needs, one entry per TPU generation plus ``cpu``.
 
 Chip layout facts (TensorCores and JAX devices per chip, host blocks, type naming) are not
-repeated here: they come from ``rltpu.topology.GENERATION_FACTS``. Every TPU figure names its
+repeated here: they come from ``rltpu.chips.topology.GENERATION_FACTS``. Every TPU figure names its
 source tag from ``shared/context/tpu-hardware.md``; figures that could not be checked against a
 second source are listed in ``unconfirmed`` and every report prints them.
 
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from rltpu.config import ConfigError
-from rltpu.topology import GENERATION_FACTS, GenerationFacts
+from rltpu.chips.topology import GENERATION_FACTS, GenerationFacts
 
 GiB = 2**30
 GB = 1e9

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from rltpu.plan.shapes import PROBE, PROBE_NEW, PROBE_PROMPT, PROBE_ROWS, PROBE_VOCAB  # the probe model
+
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
 BENCH_VERSION = 13
@@ -114,16 +116,11 @@ def bench_torch_op_overhead() -> float:
     return _best(lambda: x.mul(1.0001), min_s=0.02)
 
 
-# The sampler probe: a small Llama through rltpu's own ``SamplerEngine`` at several widths, with
-# short prompts and completions (8 + 4 tokens, like the quickstart's bucket), at 64 and 256 rows.
-PROBE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-PROBE_VOCAB, PROBE_ROWS, PROBE_PROMPT, PROBE_NEW = 64, 64, 8, 4
 
 
 def _probe_flops(train: bool, width: int = PROBE["hidden_size"], rows: int = PROBE_ROWS) -> float:
     from rltpu.config import ModelConfig
-    from rltpu.plan.costmodel import ModelShape
+    from rltpu.plan.shapes import ModelShape
 
     m = ModelShape.from_config(ModelConfig(**probe_dims(width)), PROBE_VOCAB)
     H, L, R = m.hidden, m.layers, rows
@@ -182,10 +179,10 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict
     slowest of the processes per call): ``flops`` (FLOP/s of the 64-row call), ``fit_fixed_s``
     and ``fit_flops`` (the line through both sizes)."""
     from rltpu.config import ModelConfig, SamplerConfig
-    from rltpu.models import param_shapes
+    from rltpu.models.spec import param_shapes
     from rltpu.models.jax_llama import params_from_torch
     from rltpu.models.torch_llama import init_state_dict
-    from rltpu.sampler import SamplerEngine
+    from rltpu.sampling.engine import SamplerEngine
 
     mcfg = ModelConfig(**probe_dims(width))
     G = 8
@@ -265,7 +262,7 @@ def _train_batch(rows: int, world: int, seed: int) -> dict:
 def train_probe_flops(width: int, layers: int, rows: int) -> float:
     """The cost model's training FLOPs for one rank's probe batch (``costmodel.train_seconds``)."""
     from rltpu.config import ModelConfig
-    from rltpu.plan.costmodel import ModelShape
+    from rltpu.plan.shapes import ModelShape
 
     m = ModelShape.from_config(ModelConfig(**probe_dims(width, layers)), TRAIN_PROBE_VOCAB)
     S = TRAIN_PROBE_PROMPT + TRAIN_PROBE_NEW
@@ -383,7 +380,7 @@ import torch, torch.distributed as dist
 torch.set_num_threads(1)
 from rltpu.config import ModelConfig
 from rltpu.plan.microbench import probe_dims, TRAIN_PROBE_VOCAB as V
-from rltpu.weight_sync import (SyncFabric, host_store, plan_route, param_spec, local_shards, send_shards,
+from rltpu.sync.collective import (SyncFabric, host_store, plan_route, param_spec, local_shards, send_shards,
                                receive_staged, torch_to_jax)
 host, bucket, out = "127.0.0.1", 16 * 2**20, {}
 if p == 0:
@@ -451,9 +448,9 @@ def bench_driver() -> dict[str, float]:
     import numpy as np
 
     from rltpu.config import RunConfig
-    from rltpu.datasets import build_dataset, build_tokenizer
-    from rltpu.rewards import load_reward_fn
-    from rltpu.rollout import build_train_batch, merge_generations, score, split_by_rank, split_prompts
+    from rltpu.data.sources import build_dataset, build_tokenizer
+    from rltpu.data.rewards import load_reward_fn
+    from rltpu.control.batch import build_train_batch, merge_generations, score, split_by_rank, split_prompts
 
     cfg = RunConfig()
     tok = build_tokenizer(cfg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import json
 
-from rltpu.plan import Plan
+from rltpu.plan.planner import Plan
 from rltpu.plan.costmodel import fmt_bytes
 
 ROLE_COLOURS = {"sampler": "#3b7dd8", "trainer": "#e8832a", "sampler+trainer": "#8e5bc6", "idle": "#c9c9c9"}

@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from rltpu.config import ConfigError, build_config
-from rltpu.plan import Plan
-from rltpu.topology import ChipTable, assign_roles
+from rltpu.plan.planner import Plan
+from rltpu.chips.topology import ChipTable, assign_roles
 
 
 def placed_config(plan: Plan) -> dict:

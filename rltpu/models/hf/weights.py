@@ -160,7 +160,7 @@ class CheckpointDir:
     def check(self, cfg, vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
         """Every parameter of ``cfg`` is present with its shape, and nothing unknown is: one line
         naming the file and the tensor otherwise. Returns the expected shapes."""
-        from rltpu.models import param_shapes
+        from rltpu.models.spec import param_shapes
 
         want = param_shapes(cfg, vocab_size)
         for name, shape in want.items():

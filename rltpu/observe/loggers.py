@@ -1,6 +1,6 @@
 """Where step metrics go, behind one interface (``write(record)``, ``close()``).
 
-``metrics.jsonl`` is always written (``rltpu.metrics.MetricsWriter``). TensorBoard event files,
+``metrics.jsonl`` is always written (``rltpu.observe.metrics.MetricsWriter``). TensorBoard event files,
 Weights & Biases (offline mode, files only) and MLflow (a local file store) are added when
 ``loggers.*`` asks for them; each library is an optional extra (``pip install -e '.[loggers]'``)
 imported only then, and a configured but missing one is a one-line error naming the fix.
@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from rltpu.config import ConfigError
-from rltpu.metrics import MetricsWriter
+from rltpu.observe.metrics import MetricsWriter
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 

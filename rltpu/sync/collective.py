@@ -36,6 +36,8 @@ from datetime import timedelta
 import numpy as np
 import torch
 
+from rltpu.sync.stores import host_store, hosted_store  # noqa: F401 - host_store: callers start the store here
+
 ParamSpec = list[tuple[str, tuple[int, ...], str]]  # (name, full shape, sampler dtype name)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +52,7 @@ class WeightSyncError(RuntimeError):
 def param_spec(model_cfg, vocab_size: int) -> ParamSpec:
     """Names, shapes and dtypes of the policy, in state-dict order (every parameter is in
     ``model.dtype``)."""
-    from rltpu.models import param_shapes
+    from rltpu.models.spec import param_shapes
 
     return [(k, tuple(shape), model_cfg.dtype) for k, shape in param_shapes(model_cfg, vocab_size).items()]
 
@@ -258,19 +260,6 @@ def route_link_bytes(route: Route, stream_bytes: list[int]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 # the fabric: one generation of standalone gloo groups
 
-_STORES: dict[tuple[str, int], object] = {}  # TCPStore servers hosted by this process
-
-
-def host_store(host: str, port: int, timeout_s: float):
-    """Start (once per process) the TCPStore every generation rendezvouses on; trainer 0 hosts it."""
-    key = (host, port)
-    if key not in _STORES:
-        from rltpu.runtime import listening_store  # binds ``host`` only, not every interface
-
-        _STORES[key] = listening_store(host, port, timeout_s)
-    return _STORES[key]
-
-
 class SyncFabric:
     """The process groups of one generation that this participant belongs to.
 
@@ -284,7 +273,7 @@ class SyncFabric:
 
         self.generation, self.me, self.route, self.timeout_s = generation, me, route, timeout_s
         self.timeout = timedelta(seconds=timeout_s)
-        store = _STORES.get((host, port)) or dist.TCPStore(host, port, None, False, self.timeout)
+        store = hosted_store(host, port) or dist.TCPStore(host, port, None, False, self.timeout)
         self.groups: dict[str, tuple[object, int]] = {}  # name -> (pg, my rank in it)
         dev = ProcessGroupGloo.create_device(hostname=host)
         for name in sorted(route.groups):

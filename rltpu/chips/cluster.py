@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from rltpu.topology import ChipTable, emulated_node_spec
+from rltpu.chips.topology import ChipTable, emulated_node_spec
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 

@@ -158,17 +158,15 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def merge_checkpoint_config(data: dict) -> dict:
+def merge_checkpoint_config(data: dict, fields: tuple[str, ...]) -> dict:
     """The raw ``model`` section with ``path`` set -> the same with the checkpoint's fields filled in.
 
     A field the YAML sets (not None) must agree with config.json: one line names both values.
     ``dtype`` is the user's choice (the weights are cast on load); unset, it is the checkpoint's.
     """
-    from rltpu.config import ARCH_FIELDS
-
     ckpt = read_checkpoint_config(data["path"])
     out = dict(data)
-    for key in ARCH_FIELDS:
+    for key in fields:  # the config's ARCH_FIELDS (passed in: this module imports nothing of rltpu)
         mine = data.get(key)
         if mine is not None and hasattr(mine, "model_dump"):
             mine = mine.model_dump()

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from rltpu.config import ConfigError
-from rltpu.data import Cursor, SyntheticPromptDataset
-from rltpu.tokenizer import CharTokenizer
+from rltpu.data.synthetic import Cursor, SyntheticPromptDataset
+from rltpu.data.char_tokenizer import CharTokenizer
 
 
 class DatasetError(ConfigError):
@@ -50,7 +50,7 @@ def build_tokenizer(cfg):
     directory = tokenizer_dir(cfg)
     if directory is None:
         return CharTokenizer()
-    from rltpu.hf_tokenizer import HFTokenizer
+    from rltpu.data.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(directory)
 

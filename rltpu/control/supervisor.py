@@ -1,6 +1,6 @@
 """The controller's fault handling: watch, fence, replace, rewind (a mixin of ``Controller``).
 
-Deciding is ``rltpu.health.decide``; acting is here, and only the controller acts:
+Deciding is ``rltpu.observe.health.decide``; acting is here, and only the controller acts:
   * a sampler (or reward actor) that died or hung is fenced, a new process starts on the same
     placement-group bundle (so the same chips), claims and compiles (from the JAX disk cache),
     every actor joins the next weight-sync generation (``Controller._join_sync``) and gets the
@@ -20,9 +20,9 @@ import sys
 import threading
 import time
 
-from rltpu.health import HealthError, HealthMonitor, Watchdog, actor_rows, trace_events, write_health, write_trace
-from rltpu.ledger import Ledger
-from rltpu.topology import Role
+from rltpu.observe.health import HealthError, HealthMonitor, Watchdog, actor_rows, trace_events, write_health, write_trace
+from rltpu.observe.ledger import Ledger
+from rltpu.chips.topology import Role
 
 
 class TrainerGroupFailed(RuntimeError):
@@ -94,7 +94,7 @@ class Supervision:
     def _start_dashboard(self) -> None:
         if not self.cfg.dashboard.enabled:
             return
-        from rltpu.dashboard import serve
+        from rltpu.observe.dashboard import serve
 
         self.dashboard = serve(self.run_dir, self.cfg.dashboard.host, self.cfg.dashboard.port)
         host, port = self.dashboard.server_address[:2]

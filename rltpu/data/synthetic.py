@@ -64,7 +64,7 @@ class SyntheticPromptDataset:
         return out
 
     def encode(self, example: dict, tokenizer) -> list[int]:
-        """Prompt ids (same interface as ``rltpu.datasets.PromptDataset``)."""
+        """Prompt ids (same interface as ``rltpu.data.sources.PromptDataset``)."""
         return tokenizer.encode(example["prompt"])
 
     def probe_texts(self, n: int) -> list[tuple[str, bool]]:

@@ -5,7 +5,7 @@
 
 Writes config.json + safetensors (sharded with an index when ``--shard-kb`` is given) with
 ``save_pretrained``, plus a local tokenizer (a byte-level BPE with a ChatML chat template, from
-``rltpu.chat_example.make_tiny_tokenizer``) in the same directory. Used by the tests, and by
+``rltpu.data.chat_example.make_tiny_tokenizer``) in the same directory. Used by the tests, and by
 anyone who wants to dry-run a ``model.path`` config without a real model. Nothing is downloaded.
 
 Why ``transformers`` writes it: the file layout, names and config keys are then exactly what a
@@ -39,7 +39,7 @@ def _transformers():
 
 def tokenizer_corpus() -> list[str]:
     """Text the tiny tokenizer is trained on: the chat example's prompts plus role names."""
-    from rltpu.chat_example import repeat_rows
+    from rltpu.data.chat_example import repeat_rows
 
     rows = repeat_rows(64)
     return [m["content"] for r in rows for m in r["messages"]] + [r["answer"] for r in rows] + \
@@ -70,7 +70,7 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
     if with_tokenizer:
         from tokenizers import Tokenizer
 
-        from rltpu.chat_example import make_tiny_tokenizer
+        from rltpu.data.chat_example import make_tiny_tokenizer
 
         make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512)
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))

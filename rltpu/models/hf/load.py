@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rltpu.hf.weights import CheckpointDir, CheckpointError
+from rltpu.models.hf.weights import CheckpointDir, CheckpointError
 
 
 def _local_rows(param, n_rows: int) -> tuple[Any, tuple[int, int] | None]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rltpu.config import BackendConfig
-from rltpu.topology import local_tpu_present
+from rltpu.chips.topology import local_tpu_present
 
 # torch.set_float32_matmul_precision level -> jax_default_matmul_precision value
 # (hardware md "Matmul precision": medium = bf16 one pass, high = bf16_3x / tf32, highest = f32).
@@ -132,7 +132,7 @@ def configure_threads(n: int, cpus: list[int] | None = None) -> dict[str, Any]:
     xla_applied = not _jax_backend_started()
     if not xla_applied:
         warnings.warn(
-            "rltpu.backend.configure_threads called after JAX initialised its backend; XLA_FLAGS "
+            "rltpu.chips.backend.configure_threads called after JAX initialised its backend; XLA_FLAGS "
             "changes take effect only in new processes",
             RuntimeWarning,
             stacklevel=2,

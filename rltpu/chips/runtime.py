@@ -14,8 +14,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rltpu import backend
-from rltpu.topology import Chip, libtpu_env, local_tpu_present, mesh_port
+from rltpu.chips import backend
+from rltpu.chips.topology import Chip, libtpu_env, local_tpu_present, mesh_port
+from rltpu.sync.stores import listening_store
 
 
 def ray_identity() -> dict:
@@ -43,7 +44,7 @@ class ProcessRuntime:
         self.backend_info: dict = {}
         self.global_rank = -1
         self.trainer_group = None
-        self.fabric = None  # rltpu.weight_sync.SyncFabric of the current sync generation
+        self.fabric = None  # rltpu.sync.collective.SyncFabric of the current sync generation
 
     def claim(self, chips: list[Chip], identity: dict, emulated: bool) -> dict:
         """Take ownership of ``chips`` (handed by the controller from Ray's assignment)."""
@@ -94,7 +95,8 @@ class ProcessRuntime:
                   sampler_slices: list[int], timeout_s: float) -> dict:
         """Build weight-sync fabric ``generation`` (standalone gloo groups routed by slice), dropping
         the previous one; after a failed sync every survivor and any replacement call this again."""
-        from rltpu.weight_sync import SyncFabric, host_store, plan_route
+        from rltpu.sync.collective import SyncFabric, plan_route
+        from rltpu.sync.stores import host_store
 
         if self.fabric is not None:
             self.fabric.close()
@@ -111,25 +113,3 @@ class ProcessRuntime:
             self.fabric = None
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-_LISTENERS: list[socket.socket] = []  # sockets handed to TCPStore servers, kept open with them
-
-
-def listening_store(host: str, port: int, timeout_s: float, world_size: int | None = None):
-    """A TCPStore server listening on ``host`` only. TCPStore alone binds every interface (``::``);
-    given a socket we bound, it serves on that address, so a loopback job exposes no port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    _LISTENERS.append(sock)
-    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.fileno())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -44,11 +44,11 @@ def exact_answer(completion: str, example: dict, column: str = "answer") -> floa
     """1.0 when the normalised completion equals the normalised ``example[column]`` (a dataset
     column; a list there means any of its entries is accepted), else 0.0.
 
-    Use with a dataset file: ``task.reward_fn: rltpu.rewards:exact_answer`` and, for a column not
+    Use with a dataset file: ``task.reward_fn: rltpu.data.rewards:exact_answer`` and, for a column not
     called ``answer``, ``task.reward_kwargs: {column: reference}``.
     """
     if column not in example:
-        raise ConfigError(f"rltpu.rewards:exact_answer: the example has no '{column}' column (it has: "
+        raise ConfigError(f"rltpu.data.rewards:exact_answer: the example has no '{column}' column (it has: "
                           f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
     refs = example[column] if isinstance(example[column], (list, tuple)) else [example[column]]
     got = normalize_answer(completion)

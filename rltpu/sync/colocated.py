@@ -54,7 +54,7 @@ import time
 import numpy as np
 import torch
 
-from rltpu.weight_sync import _DTYPES, ParamSpec, count_zero_copy, torch_to_jax
+from rltpu.sync.collective import _DTYPES, ParamSpec, count_zero_copy, torch_to_jax
 
 
 def _is_dtensor(t) -> bool:

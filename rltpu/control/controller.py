@@ -31,22 +31,22 @@ import torch
 
 from learner.losses import kl_estimate
 from learner.reward_model import combine_rewards
-from rltpu.cluster import PlacementError, start_or_join
+from rltpu.chips.cluster import PlacementError, start_or_join
 from rltpu.config import ConfigError, RunConfig, save_config
-from rltpu.datasets import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
-from rltpu.health import HealthError
-from rltpu.loggers import build_loggers, check_loggers
-from rltpu.rewards import load_reward_fn
-from rltpu.supervisor import Supervision
-from rltpu.rollout import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
+from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
+from rltpu.observe.health import HealthError
+from rltpu.observe.loggers import build_loggers, check_loggers
+from rltpu.data.rewards import load_reward_fn
+from rltpu.control.supervisor import Supervision
+from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                            score, split_by_rank, split_prompts, train_layout)
-from rltpu.topology import ChipTable, Role, assign_roles, check_disjoint
-from rltpu.weight_sync import param_spec
+from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint
+from rltpu.sync.collective import param_spec
 
 
 def _actor_env(cfg: RunConfig) -> dict[str, str]:
     """Env fixed at process start. JAX_PLATFORMS and libtpu's vars are set later by ``claim``
-    (``rltpu.backend``), before the engine imports JAX."""
+    (``rltpu.chips.backend``), before the engine imports JAX."""
     return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
 
 
@@ -102,7 +102,7 @@ class Controller(Supervision):
                   file=sys.stderr, flush=True)
         self.spec = param_spec(cfg.model, self.vocab)
         if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
-            from rltpu.hf.weights import CheckpointDir
+            from rltpu.models.hf.weights import CheckpointDir
 
             CheckpointDir(cfg.model.path).check(cfg.model, self.vocab)
         self.probe = self.probe_batch()
@@ -114,7 +114,7 @@ class Controller(Supervision):
         self.compile_log, self.compile_summary = [], {}
         self._phase = "idle"
         check_loggers(cfg)  # a configured logger's missing package fails before Ray starts
-        self._init_supervision()  # health monitor, fencing and replacement: rltpu/supervisor.py
+        self._init_supervision()  # health monitor, fencing and replacement: rltpu/control/supervisor.py
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -554,7 +554,7 @@ class Controller(Supervision):
         try:
             out = self._ray.get(refs)
         except Exception as e:
-            from rltpu.weight_sync import WeightSyncError
+            from rltpu.sync.collective import WeightSyncError
 
             alive = []
             for i, s in enumerate(self.samplers):
@@ -697,6 +697,6 @@ class Controller(Supervision):
 
             remove_placement_group(self.pg)
         self._ray.shutdown()
-        from rltpu.cluster import stop_emulated_nodes
+        from rltpu.chips.cluster import stop_emulated_nodes
 
         stop_emulated_nodes()  # the emulated worker nodes this process started, if any

@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 from rltpu.config import ModelConfig
-from rltpu.hf.config import to_hf_config
-from rltpu.hf.weights import CheckpointError, SafetensorsFile, write_safetensors
+from rltpu.models.hf.config import to_hf_config
+from rltpu.models.hf.weights import CheckpointError, SafetensorsFile, write_safetensors
 
 # the tokenizer files of a HF directory (the data side's HFTokenizer.save copies the same set)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -28,11 +28,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_char_tokenizer(out: Path, alphabet: str) -> dict:
-    """``rltpu.tokenizer.CharTokenizer`` as a ``tokenizers`` WordLevel tokenizer (same ids: pad 0,
+    """``rltpu.data.char_tokenizer.CharTokenizer`` as a ``tokenizers`` WordLevel tokenizer (same ids: pad 0,
     bos 1, eos 2, then one id per character), with BOS prepended like ``encode(add_bos=True)``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    from rltpu.tokenizer import CharTokenizer
+    from rltpu.data.char_tokenizer import CharTokenizer
 
     ct = CharTokenizer(alphabet)
     vocab = {ct.PAD: ct.pad_id, ct.BOS: ct.bos_id, ct.EOS: ct.eos_id, **{c: i + 3 for i, c in enumerate(alphabet)}}
@@ -95,7 +95,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> dict:
     if "model.embed_tokens.weight" not in weights.entries:
         raise CheckpointError(f"{weights.path}: tensor model.embed_tokens.weight is missing")
     vocab = weights.shape("model.embed_tokens.weight")[0]
-    from rltpu.models import param_shapes
+    from rltpu.models.spec import param_shapes
 
     want = param_shapes(cfg, vocab)
     for name, shape in want.items():
@@ -110,7 +110,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> dict:
     if tok_src:
         ids = _copy_tokenizer(Path(tok_src), out)
     else:
-        from rltpu.tokenizer import DEFAULT_ALPHABET
+        from rltpu.data.char_tokenizer import DEFAULT_ALPHABET
 
         ids = write_char_tokenizer(out, DEFAULT_ALPHABET)
     hf = to_hf_config(cfg, vocab, ids.get("bos"), ids.get("eos"), ids.get("pad"))

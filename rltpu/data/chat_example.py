@@ -1,11 +1,11 @@
 """A local chat tokenizer and a JSONL chat dataset, for dry-running the dataset path offline.
 
-    python -m rltpu.chat_example data/chat_example     # then: rltpu train configs/chat_jsonl.yaml
+    python -m rltpu.data.chat_example data/chat_example     # then: rltpu train configs/chat_jsonl.yaml
 
 writes ``data/chat_example/tokenizer/`` (a byte-level BPE trained on the task's own text with
 the ``tokenizers`` library, a ChatML-style Jinja ``chat_template`` in ``tokenizer_config.json``,
 ``generation_config.json`` listing two EOS ids) and ``data/chat_example/train.jsonl`` (rows of
-``messages`` plus a reference ``answer`` column for ``rltpu.rewards:exact_answer``).
+``messages`` plus a reference ``answer`` column for ``rltpu.data.rewards:exact_answer``).
 Nothing is downloaded. Tests build their tokenizers with :func:`make_tiny_tokenizer` too.
 """
 
@@ -90,7 +90,7 @@ def write_chat_example(directory: str | Path, num_rows: int = 512, seed: int = 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rltpu.chat_example", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rltpu.data.chat_example", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="data/chat_example")
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)

@@ -19,7 +19,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from rltpu.health import assess
+from rltpu.observe.health import assess
 
 OWNER_COLOURS = {"sampler": "#4e79a7", "trainer": "#f28e2b", "reward": "#59a14f", None: "#d0d0d0"}
 STATE_COLOURS = {"ok": "#2ca02c", "restarted": "#e6b800", "starting": "#999999", "fenced": "#d62728"}

@@ -1,0 +1,3 @@
+"""What goes into a rollout and how it is scored: prompt sources (``synthetic`` built-in tasks,
+``sources`` files and the one factory), tokenizers (``char_tokenizer``, ``hf_tokenizer``), rule
+rewards (``rewards``) and a local chat example (``chat_example``)."""

@@ -1,0 +1,146 @@
+"""``rltpu plan CONFIG``: which chips sample, which train, whether it fits, what a step costs, and why.
+
+    rltpu plan configs/quickstart.yaml --hardware cpu --out /tmp/plan   # plan.md, plan.html, plan.json
+    rltpu plan configs/quickstart.yaml --against runs/quickstart        # predicted vs measured per phase
+
+``make_plan`` reads the same config ``rltpu train`` takes, enumerates placement candidates
+(``candidates``), costs each with closed formulas (``costmodel``) over a hardware entry
+(``hardware``: TPU generations from public docs, or this CPU from micro-benchmarks) and ranks them.
+Nothing here starts Ray or touches a chip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rltpu.config import ConfigError, RunConfig
+from rltpu.plan import costmodel as cm
+from rltpu.plan import hardware as hwmod
+from rltpu.plan.candidates import Candidate, evaluate_all
+from rltpu.chips.topology import ChipTable
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    hw: hwmod.Hardware
+    model: cm.ModelShape
+    workload: cm.Workload
+    table: ChipTable
+    candidates: list[Candidate]
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.feasible]
+
+    @property
+    def winner(self) -> Candidate | None:
+        return self.feasible[0] if self.feasible else None
+
+    @property
+    def best_runnable(self) -> Candidate | None:
+        return next((c for c in self.feasible if c.runnable), None)
+
+    @property
+    def as_configured(self) -> Candidate:
+        return next(c for c in self.candidates if c.as_configured)
+
+    def best(self, mode: str) -> Candidate | None:
+        return next((c for c in self.candidates if c.mode == mode), None)
+
+    def label(self) -> str:
+        if self.hw.emulated:
+            return (f"EMULATED: figures for this CPU ({self.hw.cpu['cores']} cores, one core per emulated "
+                    f"{self.cfg.cluster.generation} chip), from micro-benchmarks; they say nothing about a TPU")
+        flagged = ", ".join(self.hw.unconfirmed) or "none"
+        return (f"{self.hw.name} figures from public docs (shared/context/tpu-hardware.md); unconfirmed: {flagged}; "
+                f"efficiencies are stated assumptions (train MFU {self.hw.train_mfu:.0%}, prefill "
+                f"{self.hw.prefill_mfu:.0%}, HBM {self.hw.bw_eff:.0%}, links {self.hw.link_eff:.0%})")
+
+    def why(self) -> str:
+        """A paragraph: why the winner wins, what the others lose on, what does not fit."""
+        win = self.winner
+        if win is None:
+            c = self.candidates[0]
+            return (f"No candidate fits on {self.table.describe()} ({self.hw.name}). Closest: {c.name}: {c.reason}. "
+                    f"Use more chips (cluster.topology/slices), a smaller model, or fewer prompts per step.")
+        p = win.phases
+        phases = {"sample": p.sample, "train": p.train, "sync": p.sync, "host": p.host}
+        dom = max(phases, key=phases.get)
+        parts = [f"{win.name} wins at {p.step:.3g} s per step; {dom} is {phases[dom] / p.step:.0%} of it."]
+        others = [c for c in self.feasible if c is not win]
+        if others:
+            r = others[0]
+            diffs = {k: getattr(r.phases, k) - getattr(p, k) for k in ("sample", "train", "sync", "host")}
+            worst = max(diffs, key=diffs.get)
+            parts.append(f"The runner-up, {r.name}, takes {r.phases.step:.3g} s "
+                         f"({r.phases.step / p.step - 1:+.0%}), mostly in {worst} ({diffs[worst]:+.3g} s).")
+        for mode in ("colocated", "async"):
+            best = next((c for c in self.candidates if c.mode == mode), None)
+            if best is None or best is win:
+                continue
+            if best.feasible:
+                parts.append(f"Best {mode}: {best.phases.step:.3g} s per step.")
+            else:
+                parts.append(f"{mode.capitalize()} does not fit: {best.reason}.")
+        if not win.runnable:
+            br = self.best_runnable
+            parts.append(f"`rltpu train` cannot run it, so --write-config writes "
+                         f"{br.name if br else 'nothing (none fits)'}.")
+        bad = [c for c in self.candidates if not c.feasible]
+        if bad:
+            parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit.")
+        return " ".join(parts)
+
+    def to_json(self) -> dict:
+        def cand(c: Candidate) -> dict:
+            return {
+                "name": c.name, "mode": c.mode, "runnable": c.runnable, "as_configured": c.as_configured,
+                "sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
+                "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer,
+                "sampler_tp": c.sampler_tp, "trainer_fsdp": c.trainer_fsdp, "trainer_tp": c.trainer_tp,
+                "reward_model_on": c.reward_on, "reference_on": "trainer" if self.workload.reference else None,
+                "critic_on": "trainer" if self.workload.critic else None,
+                "activation_checkpointing": c.checkpointing, "feasible": c.feasible, "reason": c.reason,
+                "capacity_bytes": c.capacity, "memory_bytes": c.memory,
+                "phases_s": c.phases.as_dict() if c.phases else None,
+                "sync_route": [h.__dict__ for h in c.route], "warnings": c.warnings, "ranks": c.ranks,
+            }
+
+        return {
+            "emulated": self.hw.emulated, "label": self.label(), "hardware": self.hw.name,
+            "hardware_sources": self.hw.sources, "unconfirmed": list(self.hw.unconfirmed),
+            "cluster": self.table.describe(), "chips": self.table.num_chips, "pod_type": self.table.pod_type,
+            "model": {**self.model.__dict__, "params": self.model.params},
+            "workload": {**self.workload.__dict__, "rows": self.workload.rows, "seq": self.workload.seq},
+            "winner": self.winner.name if self.winner else None, "why": self.why(),
+            "candidates": [cand(c) for c in self.candidates],
+            "microbench": self.hw.cpu,
+        }
+
+
+def resolve_hardware(cfg: RunConfig, name: str | None = None, bench: dict | None = None) -> hwmod.Hardware:
+    name = name or cfg.planner.hardware
+    if name == "auto":
+        name = cfg.cluster.generation
+    if name != "cpu" and name != cfg.cluster.generation:
+        raise ConfigError(f"--hardware {name} but cluster.generation={cfg.cluster.generation}; plan a generation "
+                          f"by setting cluster.generation={name} (or --hardware cpu for this machine)")
+    return hwmod.get(name, cfg.cluster.generation, bench)
+
+
+def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = None) -> Plan:
+    """Validate the inputs (one-line ConfigError), then cost and rank every candidate."""
+    hw = resolve_hardware(cfg, hardware, bench)
+    hwmod.check_topology(cfg.cluster.generation, cfg.cluster.topology)
+    table = ChipTable.build(cfg.cluster, emulated=hw.emulated)
+    if not hw.emulated and table.chips_per_slice > hw.max_slice_chips:
+        raise ConfigError(f"cluster.topology={cfg.cluster.topology} has {table.chips_per_slice} chips but a "
+                          f"{hw.name} slice has at most {hw.max_slice_chips}; use more slices instead")
+    model = cm.model_shape(cfg)
+    workload = cm.Workload.from_config(cfg)
+    if workload.rows < 1 or workload.seq < 2:
+        raise ConfigError(f"the workload is empty ({workload.rows} rows of {workload.seq} tokens); "
+                          f"set trainer.prompts_per_step and sampler.max_new_tokens >= 1")
+    cands = evaluate_all(cfg, table, hw, model, workload)
+    return Plan(cfg, hw, model, workload, table, cands)

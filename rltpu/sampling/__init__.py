@@ -1,0 +1,1 @@
+"""The sampling engine: compiled JAX generation over a fixed grid of shapes (``engine``)."""
