@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,hf,data]'
+	$(PY) -m pip install --quiet -e '.[tpu]'  # TorchTPU + libtpu: imports on CPU (no device), tests compare its launch env
 	touch $@
 
 demo: setup

@@ -29,6 +29,7 @@ class ColocatedActor(TrainerActor):
 
     def __init__(self, rank: int, cfg_dict: dict):
         super().__init__(rank, cfg_dict)  # ProcessRuntime("trainer", rank, ...): reports as trainer-<rank>
+        self.rt.decision_role = "colocated"  # refused on real chips: TorchTPU and JAX cannot share one chip
         self.sampler = None
         self.spec = None
         self.calls = 0
@@ -92,9 +93,9 @@ class ColocatedActor(TrainerActor):
 
         return process_memory(self.engine, self.sampler)
 
-    def claim(self, chips, identity, emulated):
+    def claim(self, chips, identity, emulated, launch_env: dict | None = None):
         """The chip claim, marked: this one process holds both engines on these chips."""
-        return super().claim(chips, identity, emulated) | self.ROLES
+        return super().claim(chips, identity, emulated, launch_env) | self.ROLES
 
     def report(self) -> dict:
         return self.rt.report() | self.ROLES | {"weight_version": self.weight_version(), "memory": self.memory()}

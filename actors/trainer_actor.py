@@ -19,8 +19,9 @@ class TrainerActor:
     def identity(self) -> dict:
         return ray_identity()
 
-    def claim(self, chips, identity, emulated):
-        return self.rt.claim(chips, identity, emulated)
+    def claim(self, chips, identity, emulated, launch_env: dict | None = None):
+        """``launch_env``: this rank's TorchTPU launch variables (``rltpu.chips.launch``), on real chips."""
+        return self.rt.claim(chips, identity, emulated, launch_env)
 
     def rendezvous(self) -> tuple[str, int]:
         ip = self.rt.identity.get("node_ip", "127.0.0.1")
@@ -33,27 +34,26 @@ class TrainerActor:
         self.hb.start(monitor, interval_s, incarnation, self.rt.report())
 
     def build(self, vocab_size: int) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
+        from learner.fsdp import trainer_mesh
         from learner.trainer import TrainerEngine
 
         device = self.rt.backend_info["device"]  # resolved once, by rltpu.chips.backend
-        mesh = DeviceMesh.from_group(self.rt.trainer_group, device)
+        mesh = trainer_mesh(self.rt.trainer_group, device)  # real chips: one slice (rltpu.chips.launch)
         with self.hb.phase("loading"):
             self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
                                         self.cfg.sampler.temperature, mesh=mesh, device=device,
                                         critic_cfg=self.cfg.critic)
 
     def train_step(self, batch: dict) -> dict:
-        with self.hb.phase("training"):
+        with self.hb.phase("training"), self.rt.modes():
             return self.engine.train_step(batch)
 
     def logprobs(self, batch: dict, reference: bool = False):
-        with self.hb.phase("training"):
+        with self.hb.phase("training"), self.rt.modes():
             return self.engine.logprobs(batch, reference)
 
     def values(self, batch: dict):
-        with self.hb.phase("training"):
+        with self.hb.phase("training"), self.rt.modes():
             return self.engine.values(batch)
 
     def join_sync(self, *args) -> dict:
@@ -73,7 +73,8 @@ class TrainerActor:
                 raise
 
     def probe_logits(self, tokens, position_ids, attention_mask):
-        return self.engine.probe_logits(tokens, position_ids, attention_mask)
+        with self.rt.modes():
+            return self.engine.probe_logits(tokens, position_ids, attention_mask)
 
     def save_checkpoint(self, path: str, meta: dict) -> str | None:
         """Collective over trainer ranks; rank 0 writes safetensors + JSON atomically."""

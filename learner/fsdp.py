@@ -31,6 +31,20 @@ def checkpoint_layers(model: torch.nn.Module) -> None:
         layer._rltpu_checkpointed = True
 
 
+def trainer_mesh(group, device: str, slices: int = 1) -> DeviceMesh:
+    """The trainer group's 1-D FSDP mesh. On TorchTPU the rank layout comes from
+    ``torch.tpu.distributed.topology_aware_mesh`` (logically adjacent ranks on ICI-adjacent chips;
+    with several slices the FSDP axis is split across them over DCN, outermost); elsewhere the
+    group's own rank order."""
+    if device != "tpu":
+        return DeviceMesh.from_group(group, device)
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    ranks = torch.tpu.distributed.topology_aware_mesh("tpu", (n,), dcn_mesh_shape=(slices,) if slices > 1 else None)
+    return DeviceMesh("tpu", ranks)
+
+
 def parallelize_llama(model: torch.nn.Module, mesh: DeviceMesh, mixed_precision: str = "fp32",
                       activation_checkpointing: bool = False) -> torch.nn.Module:
     if activation_checkpointing:

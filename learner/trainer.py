@@ -23,6 +23,7 @@ from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
 from learner.losses import (LossScale, policy_loss, token_entropy, token_logprobs, truncated_is_weights,
                             value_loss)
 from learner.optim import build_optimizer
+from rltpu.chips.backend import spmd_region
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
 
 
@@ -42,6 +43,7 @@ class TrainerEngine:
             self.ref_model = self._build(model_cfg, vocab_size, state)
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
+        self._update = spmd_region(self._apply_update, str(device).split(":")[0])
         self.critic = None
         if critic_cfg is not None:  # PPO: the value model lives on the same ranks as the policy
             from learner.critic import LlamaForValue, critic_state_from_policy, load_backbone_from_checkpoint
@@ -76,6 +78,15 @@ class TrainerEngine:
         elif self.cfg.activation_checkpointing:
             checkpoint_layers(model)
         return model
+
+    def _apply_update(self) -> torch.Tensor:
+        """Clip, step, schedule: the same operations, collectives (the norm's all-reduce) and shard
+        shapes on every rank, so on TorchTPU it runs ``spmd_safe`` (see ``__init__``). The micro-batch
+        loop is not marked: its sequence buckets differ between ranks."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
 
     def _parallelize(self, model):
         return parallelize_llama(model, self.mesh, self.cfg.mixed_precision, self.cfg.activation_checkpointing)
@@ -210,9 +221,7 @@ class TrainerEngine:
                     sums[k] += getattr(out, k)
             if epoch == 0:
                 stats["logp_gap_sum"] = gap  # sampler-vs-trainer logprob gap, before any update
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
+            norm = self._update()
             if self.critic is not None:
                 stats.update(self._critic_step(batch, plan))
         stats.update(sums)

@@ -398,6 +398,9 @@ class BackendConfig(_Section):
     device: Literal["auto", "tpu", "cuda", "cpu"] = "auto"
     matmul_precision: Literal["medium", "high", "highest"] = "highest"
     threads: int = Field(1, ge=1)  # torch/XLA intra-op threads per actor (Ray sets OMP to 1)
+    # TorchTPU eager mode on real chips: fuse (DeferAndFuse, default), strict (async per op), debug
+    # (synchronous per op: slow, localises errors). Ignored on emulated chips.
+    eager_mode: Literal["fuse", "strict", "debug"] = "fuse"
 
 
 class CheckpointConfig(_Section):

@@ -1,88 +1,138 @@
 """The one place that decides device, process-group backend, threads and matmul precision.
 
-Every actor calls :func:`apply` first thing, before it imports a model or touches JAX devices,
-and puts the returned dict in its report, so a run shows what each process actually used.
-Nothing else in rltpu should call ``torch.set_num_threads``, set ``XLA_FLAGS`` or pick a device.
+Every actor decides its backend once, from its chip claim (:func:`decide`: emulated chip -> CPU for
+torch and JAX; real chip -> TorchTPU ``tpu`` / process group ``"tpu"`` for a trainer, JAX ``tpu``
+for a sampler; a real chip it cannot open -> ChipUnavailableError, never a CPU fallback), then calls
+:func:`apply` before it imports a model or touches JAX devices, and puts the returned dict in its
+report, so a run shows what each process actually used. Nothing else in rltpu should call
+``torch.set_num_threads``, set ``XLA_FLAGS`` or ``JAX_PLATFORMS``, or pick a device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rltpu.config import BackendConfig
-from rltpu.chips.topology import local_tpu_present
 
 # torch.set_float32_matmul_precision level -> jax_default_matmul_precision value
 # (hardware md "Matmul precision": medium = bf16 one pass, high = bf16_3x / tf32, highest = f32).
 JAX_PRECISION = {"medium": "bfloat16", "high": "tensorfloat32", "highest": "float32"}
 
-_DEVICES = ("auto", "tpu", "xla", "cuda", "cpu")
+_DEVICES = ("auto", "tpu", "cuda", "cpu")
+# backend.eager_mode -> torch.tpu.EagerMode member (the design source's fuse / strict / debug)
+EAGER_MODES = {"fuse": "DEFER_AND_FUSE", "strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING"}
+# backend.matmul_precision -> torch.tpu.Precision member (1 / 3 / 6 bf16 MXU passes)
+TPU_PRECISION = {"medium": "DEFAULT", "high": "HIGH", "highest": "HIGHEST"}
+TCMALLOC_WARNING = "ignore:<TorchTpu/Performance/TcMalloc/"  # PYTHONWARNINGS entry for a CPU-only import
+COLOCATED_ON_REAL_CHIPS = (
+    "placement.mode=colocated on real TPU chips: TorchTPU (trainer) and JAX (sampler) would each open the same "
+    "chip from one process, which libtpu does not allow (see docs/tpu.md); use placement.mode=disaggregated")
 
 
-def _native_tpu() -> bool:
-    """A PyTorch TPU backend registered as PrivateUse1 named "tpu" (TorchTPU). Unverified here."""
+class ChipUnavailableError(RuntimeError):
+    """A process claimed a real chip it cannot open (or a device the claim contradicts): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one actor process computes on, decided once from its chip claim."""
+
+    role: str
+    emulated: bool
+    torch_device: str  # "tpu" (TorchTPU) for a real trainer; "cpu" for emulated chips and real samplers' staging
+    dist_backend: str  # torch.distributed backend of its process group: "tpu" or "gloo" (nccl on cuda)
+    jax_platforms: str | None  # JAX_PLATFORMS: "tpu" on real chips, "cpu" on emulated ones (None: JAX decides)
+    runtime: str  # who opens the chips: "torch_tpu", "jax", or "cpu" (emulated)
+
+
+def _import_torch_tpu():
+    """Import TorchTPU quietly (its tcmalloc advice is about performance, not correctness)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*TcMalloc.*")
+        import torch_tpu  # noqa: F401
+
+    return torch_tpu
+
+
+def probe_torch_tpu() -> str | None:
+    """None when TorchTPU can open a device in this process, else what is missing (one phrase)."""
+    if importlib.util.find_spec("torch_tpu") is None:
+        return "the torch_tpu package is not installed (pip install 'rltpu[tpu]')"
     try:
-        if torch._C._get_privateuse1_backend_name() != "tpu":
-            return False
-    except AttributeError:
-        return False
-    mod = getattr(torch, "tpu", None)
-    if mod is None:
-        return False
-    is_available = getattr(mod, "is_available", None)
-    return bool(is_available()) if callable(is_available) else True
+        _import_torch_tpu()
+    except Exception as e:  # noqa: BLE001 - a broken install is reported, never bypassed
+        return f"import torch_tpu failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+    acc = torch.accelerator.current_accelerator()
+    if acc is None or acc.type != "tpu":
+        return ("torch_tpu found no TPU device (torch.accelerator.current_accelerator() is "
+                f"{None if acc is None else acc.type!r}; is another process holding the chip?)")
+    return None
 
 
-def _torch_xla() -> bool:
-    """torch_xla is installed and a TPU (or an explicit PJRT_DEVICE) is there to drive.
+def probe_jax_tpu() -> str | None:
+    """None when JAX can load the TPU runtime (the libtpu package), else what is missing.
 
-    Importing torch_xla would start PJRT, so only its presence is checked; a CPU box that merely
-    has the wheel installed stays on "cpu" unless PJRT_DEVICE says otherwise.
+    Opening the chip itself is left to the engine: with JAX_PLATFORMS=tpu a failure there raises
+    instead of falling back to CPU (jax-ml/jax#10192)."""
+    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+        return "the libtpu package is not installed, so JAX has no TPU runtime (pip install 'rltpu[tpu]')"
+    return None
+
+
+def decide(role: str, emulated: bool, cfg: BackendConfig, probe_torch=probe_torch_tpu,
+           probe_jax=probe_jax_tpu) -> Decision:
+    """The backend of one actor from its chip claim; raises ChipUnavailableError, never falls back.
+
+    Emulated chip: torch and JAX on CPU (``backend.device=cuda`` is honoured for GPU boxes). Real chip:
+    a trainer (or reward scorer) runs torch on ``tpu`` through TorchTPU with process-group backend
+    ``"tpu"``; a sampler runs JAX on ``tpu`` and keeps torch on the host for weight staging. Both
+    pin JAX_PLATFORMS=tpu. Colocated (both engines in one process) is refused on real chips.
     """
-    if importlib.util.find_spec("torch_xla") is None:
-        return False
-    return bool(os.environ.get("PJRT_DEVICE")) or local_tpu_present()
+    if cfg.device not in _DEVICES:
+        raise ValueError(f"backend.device must be one of {_DEVICES}, got {cfg.device!r}")
+    if emulated:
+        if cfg.device == "tpu":
+            raise ChipUnavailableError(
+                f"{role}: backend.device=tpu but its chips are emulated; use backend.device=auto, or run on a TPU VM "
+                f"with cluster.emulated=false")
+        if cfg.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ChipUnavailableError("backend.device=cuda but torch.cuda.is_available() is False; use auto or cpu")
+            return Decision(role, True, "cuda", "nccl", None, "cpu")
+        return Decision(role, True, "cpu", "gloo", "cpu", "cpu")
+    if role == "colocated":
+        raise ChipUnavailableError(COLOCATED_ON_REAL_CHIPS)
+    if cfg.device in ("cpu", "cuda"):
+        raise ChipUnavailableError(
+            f"{role}: backend.device={cfg.device} on real TPU chips would compute off the chips it claims; use "
+            f"backend.device=auto (or cluster.emulated=true to run on CPU)")
+    if role == "sampler":
+        missing = probe_jax()
+        if missing:
+            raise ChipUnavailableError(f"sampler claimed real TPU chips but {missing}")
+        return Decision(role, False, "cpu", "gloo", "tpu", "jax")
+    missing = probe_torch()
+    if missing:
+        raise ChipUnavailableError(f"{role} claimed real TPU chips but {missing}")
+    return Decision(role, False, "tpu", "tpu", "tpu", "torch_tpu")
 
 
 def resolve_device(pref: str = "auto") -> str:
-    """Pick the torch device type: "tpu" (native), "xla" (torch_xla), "cuda" or "cpu".
-
-    "auto" takes the first available in that order. An explicit preference that is not available
-    raises RuntimeError rather than silently running elsewhere ("tpu" accepts torch_xla too).
-    """
-    if pref not in _DEVICES:
-        raise ValueError(f"backend.device must be one of {_DEVICES}, got {pref!r}")
-    if pref in ("auto", "tpu", "xla"):
-        if pref != "xla" and _native_tpu():
-            return "tpu"
-        if _torch_xla():
-            return "xla"
-        if pref != "auto":
-            raise RuntimeError(
-                f"backend.device={pref!r} but no PyTorch TPU backend is usable here (no PrivateUse1 "
-                f"'tpu' backend registered, torch_xla missing or no TPU/PJRT_DEVICE); use backend.device=auto or cpu"
-            )
-    if pref in ("auto", "cuda"):
-        if torch.cuda.is_available():
-            return "cuda"
-        if pref == "cuda":
-            raise RuntimeError("backend.device='cuda' but torch.cuda.is_available() is False; use auto or cpu")
-    return "cpu"
+    """The torch device of a process on emulated chips (benchmarks and tools); see :func:`decide`."""
+    return decide("tool", True, BackendConfig(device=pref)).torch_device
 
 
 def dist_backend(device: str) -> str:
-    """torch.distributed backend for a device type.
-
-    cpu -> gloo and cuda -> nccl are tested paths. "xla" is the backend torch_xla registers
-    (``torch_xla.distributed.xla_backend``); for a native "tpu" PrivateUse1 backend the name is
-    an assumption (unverified: no TPU and no TorchTPU build here).
-    """
-    table = {"cpu": "gloo", "cuda": "nccl", "xla": "xla", "tpu": "xla"}
+    """torch.distributed backend for a torch device type: cpu gloo, cuda nccl, tpu "tpu" (the name
+    TorchTPU registers with ``Backend.register_backend(..., devices=["tpu"])``)."""
+    table = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu"}
     try:
         return table[device]
     except KeyError:
@@ -162,34 +212,65 @@ def configure_precision(level: str) -> dict[str, str]:
     return {"matmul_precision": level, "jax_matmul_precision": JAX_PRECISION[level]}
 
 
-def jax_platform_env(device: str) -> dict[str, str]:
-    """Env for the JAX side of an actor on this device.
+def jax_platform_env(decision: Decision) -> dict[str, str]:
+    """JAX_PLATFORMS for an actor: "tpu" on real chips (a process that cannot open them fails loudly
+    instead of falling back to CPU, jax-ml/jax#10192), "cpu" on emulated ones, nothing for cuda."""
+    return {"JAX_PLATFORMS": decision.jax_platforms} if decision.jax_platforms else {}
 
-    CPU pins JAX_PLATFORMS=cpu (no probing for accelerators). TPU pins "tpu" so a process that
-    cannot open its chips fails loudly instead of falling back to CPU (jax-ml/jax#10192). CUDA is
-    left to JAX's own choice (the jax CUDA plugin may not be installed).
+
+def configure_torch_tpu(decision: Decision, cfg: BackendConfig) -> dict[str, Any]:
+    """On a TorchTPU process: the eager mode (process-wide) and the precision the train step runs under."""
+    if decision.torch_device != "tpu":
+        return {}
+    _import_torch_tpu()
+    torch.tpu.eager_mode = getattr(torch.tpu.EagerMode, EAGER_MODES[cfg.eager_mode])
+    return {"torch_tpu_eager_mode": EAGER_MODES[cfg.eager_mode], "torch_tpu_precision": TPU_PRECISION[cfg.matmul_precision]}
+
+
+def device_modes(decision: Decision | None, cfg: BackendConfig):
+    """Context for device work: ``torch.tpu.precision`` on TorchTPU (it overrides the global float32
+    matmul precision only inside a context), nothing elsewhere."""
+    if decision is None or decision.torch_device != "tpu":
+        return contextlib.nullcontext()
+    return torch.tpu.precision(getattr(torch.tpu.Precision, TPU_PRECISION[cfg.matmul_precision]))
+
+
+def spmd_region(fn, device: str):
+    """Mark ``fn`` ``spmd_safe`` on TorchTPU (its collectives fuse with the code around them); only for
+    code that issues the same operations, collectives and shapes in the same order on every rank.
+    Elsewhere ``fn`` itself (every eager collective stays its own graph: safe, slower)."""
+    if device != "tpu":
+        return fn
+    return torch.tpu.distributed.spmd_safe(fn)
+
+
+def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
+          launch_env: dict[str, str] | None = None, decision: Decision | None = None) -> dict[str, Any]:
+    """Decide this process's backend from its claim, set env, threads and precision; return what was done.
+
+    Runs before any engine exists. ``launch_env``: the TorchTPU launch variables the controller
+    computed for this trainer rank (``rltpu.chips.launch.launch_env_for_group``).
     """
-    if device == "cpu":
-        return {"JAX_PLATFORMS": "cpu"}
-    if device in ("tpu", "xla"):
-        return {"JAX_PLATFORMS": "tpu"}
-    return {}
-
-
-def apply(cfg: BackendConfig) -> dict[str, Any]:
-    """Resolve the device, set threads and precision in this process; return what was done."""
-    device = resolve_device(cfg.device)
-    jax_env = jax_platform_env(device)
-    for k, v in jax_env.items():
-        if not _jax_backend_started():
+    decision = decision or decide(role, emulated, cfg)
+    emulated = decision.emulated
+    env = jax_platform_env(decision)
+    if not emulated:  # a real chip: never leave a stale JAX_PLATFORMS=cpu from anywhere
+        os.environ.update(env)
+        os.environ.update(launch_env or {})
+    elif not _jax_backend_started():
+        for k, v in env.items():
             os.environ.setdefault(k, v)  # an actor's runtime_env may already have set it
     threads = configure_threads(cfg.threads)
     precision = configure_precision(cfg.matmul_precision)
+    tpu = configure_torch_tpu(decision, cfg)
     return {
-        "device": device,
-        "dist_backend": dist_backend(device),
-        "emulated": device not in ("tpu", "xla"),
+        "device": decision.torch_device,
+        "dist_backend": decision.dist_backend,
+        "runtime": decision.runtime,
+        "emulated": decision.emulated,
         "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+        "launch_env": sorted(launch_env or {}),
         **threads,
         **precision,
+        **tpu,
     }

@@ -39,6 +39,8 @@ def ray_identity() -> dict:
 class ProcessRuntime:
     def __init__(self, role: str, rank: int, generation: str, backend_cfg):
         self.role, self.rank, self.generation, self.backend_cfg = role, rank, generation, backend_cfg
+        self.decision_role = role  # "colocated" when this process also holds a sampler engine
+        self.decision: backend.Decision | None = None
         self.chips: list[Chip] = []
         self.identity: dict = {}
         self.backend_info: dict = {}
@@ -46,8 +48,10 @@ class ProcessRuntime:
         self.trainer_group = None
         self.fabric = None  # rltpu.sync.collective.SyncFabric of the current sync generation
 
-    def claim(self, chips: list[Chip], identity: dict, emulated: bool) -> dict:
-        """Take ownership of ``chips`` (handed by the controller from Ray's assignment)."""
+    def claim(self, chips: list[Chip], identity: dict, emulated: bool, launch_env: dict | None = None) -> dict:
+        """Take ownership of ``chips`` (handed by the controller from Ray's assignment) and decide the
+        backend from the claim; a real chip this process cannot open raises ChipUnavailableError here,
+        before any engine or step. ``launch_env``: this trainer rank's TorchTPU launch variables."""
         mine = sorted(c.index for c in chips)
         if identity.get("ray_tpu_ids") and mine != identity["ray_tpu_ids"]:
             raise RuntimeError(
@@ -61,8 +65,13 @@ class ProcessRuntime:
             ncpu = os.cpu_count() or 1
             os.sched_setaffinity(0, {c.global_id % ncpu for c in chips})
         self.chips, self.identity = list(chips), identity
-        self.backend_info = backend.apply(self.backend_cfg)
-        return self.report(emulated) | {"libtpu_env": env}
+        self.decision = backend.decide(self.decision_role, emulated, self.backend_cfg)
+        self.backend_info = backend.apply(self.backend_cfg, launch_env=launch_env, decision=self.decision)
+        return self.report(emulated) | {"libtpu_env": env, "launch_env": dict(launch_env or {})}
+
+    def modes(self):
+        """Context for device work (TorchTPU precision on a real chip; nothing on CPU)."""
+        return backend.device_modes(self.decision, self.backend_cfg)
 
     def report(self, emulated: bool = True) -> dict:
         return {
@@ -70,6 +79,8 @@ class ProcessRuntime:
             "node_id": self.identity.get("node_id"), "host": self.identity.get("hostname"),
             "chips": [c.index for c in self.chips], "chip_ids": [c.global_id for c in self.chips],
             "emulated": emulated, "device": self.backend_info.get("device"),
+            "dist_backend": self.backend_info.get("dist_backend"), "runtime": self.backend_info.get("runtime"),
+            "jax_platforms": self.backend_info.get("jax_platforms"),
         }
 
     def init_process_groups(self, master: str, port: int, world_size: int, global_rank: int,
@@ -84,8 +95,19 @@ class ProcessRuntime:
         timeout = timedelta(seconds=timeout_s)
         store = listening_store(master, port, timeout_s, world_size) if global_rank == 0 else \
             dist.TCPStore(master, port, world_size, False, timeout)
+        pg_backend = backend.dist_backend(self.backend_info.get("device", "cpu"))
+        if self.decision is not None and not self.decision.emulated:
+            # real chips: TorchTPU's "tpu" group holds the trainers only (a JAX sampler opens no torch
+            # device); samplers need no default group (weight sync has its own gloo groups)
+            self.global_rank = global_rank
+            if global_rank >= n_trainers:
+                return
+            dist.init_process_group(pg_backend, store=dist.PrefixStore("rltpu-trainers", store), rank=global_rank,
+                                    world_size=n_trainers, timeout=timeout)
+            self.trainer_group = dist.group.WORLD
+            return
         dist.init_process_group(
-            backend.dist_backend(self.backend_info.get("device", "cpu")),
+            pg_backend,
             store=store, rank=global_rank, world_size=world_size, timeout=timeout,
         )
         self.global_rank = global_rank
