@@ -11,7 +11,7 @@ Who does what:
     deadline (compiling long, syncing short) or the heartbeats stopped;
   * the controller's ``Watchdog`` thread polls the monitor, fences hung actors (Ray kill plus
     SIGKILL of the pid on this host, so they never write again) and writes ``health.json``;
-    only the controller replaces actors (``Controller._heal`` / ``_restart_trainers``).
+    only the controller replaces actors (``rltpu.control.supervisor.Supervisor``: ``heal``, ``restart_trainers``).
 A heartbeat carries the actor's incarnation; the monitor drops beats from a fenced incarnation.
 """
 

@@ -1,0 +1,41 @@
+"""Job checkpoints from the driver's side: what goes in the metadata, where, and which one to load.
+
+The trainers write the model and optimizer (``learner.checkpoint``: tmp -> rename, checksums);
+the driver adds what only it knows: step, weight version, data cursor, prompts in flight.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rltpu.config import ConfigError, RunConfig
+
+
+class Checkpoints:
+    def __init__(self, ray, groups, cfg: RunConfig, run_dir: Path):
+        self.ray, self.groups, self.cfg = ray, groups, cfg
+        self.dir = run_dir / "checkpoint"
+
+    def save(self, step: int, version: int, data_state: dict, in_flight_prompts: list[str]) -> str:
+        """``data_state`` is the cursor a resume restarts from: before any rollout still in flight
+        (async), so a resume draws those prompts again."""
+        meta = {"step": step, "weight_version": version, "data": data_state, "seed": self.cfg.seed,
+                "config": self.cfg.to_dict(), "in_flight_prompts": in_flight_prompts,
+                # sampler randomness is a pure function of (seed, step, sampler rank): nothing else to save
+                "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
+        return self.ray.get([t.save_checkpoint.remote(str(self.dir), meta) for t in self.groups.trainers])[0]
+
+    def load_latest(self, required: bool = True) -> tuple[Path, dict] | None:
+        """The newest checkpoint whose files verify (a corrupt one is skipped with a warning), loaded
+        into every trainer; its path and metadata, or None when there is none and none is required."""
+        from learner.checkpoint import latest_valid
+
+        warn = lambda m: print(f"rltpu: warning: {m}", file=sys.stderr, flush=True)  # noqa: E731
+        path = latest_valid(self.dir, max(self.cfg.checkpoint.keep_last, 2), warn)
+        if path is None:
+            if required:
+                raise ConfigError(f"--resume: no valid checkpoint in {self.dir}[.prev*]; run without --resume")
+            return None
+        meta = self.ray.get([t.load_checkpoint.remote(str(path)) for t in self.groups.trainers])[0]
+        return path, meta

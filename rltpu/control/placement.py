@@ -1,0 +1,259 @@
+"""Where every actor runs: the chip plan, one placement-group bundle per actor, the chip claims
+checked against the plan, and ``placement.json``.
+
+The plan (``assign_roles``) is made before Ray starts, so a placement that cannot exist fails
+before anything is spawned; Ray's own assignment is then checked against it chip by chip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rltpu.chips.cluster import PlacementError, start_or_join
+from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint
+from rltpu.config import RunConfig
+
+
+def actor_env(cfg: RunConfig) -> dict[str, str]:
+    """Env fixed at process start. JAX_PLATFORMS and libtpu's vars are set later by ``claim``
+    (``rltpu.chips.backend``), before the engine imports JAX."""
+    return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
+
+
+def actor_classes(colocated: bool = False) -> dict:
+    from actors.reward_actor import RewardActor
+    from actors.sampler_actor import SamplerActor
+    from actors.trainer_actor import TrainerActor
+
+    if colocated:  # one process per trainer chip runs both engines
+        from actors.colocated_actor import ColocatedActor
+
+        TrainerActor = ColocatedActor  # noqa: N806
+    return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+
+
+class ActorGroups:
+    """The chip-owning actor handles by role, keyed ``"<role>-<rank>"`` for health and fencing.
+
+    Colocated: the samplers *are* the trainer processes (the same list, so a replaced trainer is
+    the replaced sampler) and are keyed once, as trainers.
+    """
+
+    def __init__(self, colocated: bool):
+        self.colocated = colocated
+        self.trainers: list = []
+        self.samplers: list = []
+        self.rewarders: list = []
+
+    def group(self, role: Role) -> list:
+        return {Role.TRAINER: self.trainers, Role.SAMPLER: self.samplers, Role.REWARD: self.rewarders}[role]
+
+    def keys(self) -> dict[str, tuple[Role, int]]:
+        groups = [(Role.TRAINER, self.trainers), (Role.SAMPLER, self.samplers), (Role.REWARD, self.rewarders)]
+        if self.colocated:
+            groups.pop(1)
+        return {f"{role.value}-{r}": (role, r) for role, group in groups for r in range(len(group))}
+
+    def handle(self, key: str):
+        role, rank = self.keys()[key]
+        return self.group(role)[rank]
+
+    def processes(self) -> list:
+        """Every chip-owning actor once (colocated trainers are also the samplers)."""
+        return self.trainers + ([] if self.colocated else self.samplers) + self.rewarders
+
+
+class Placement:
+    """The chip table and role plan, the Ray cluster, the placement group and the actors on it."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.colocated = cfg.placement.mode == "colocated"
+        self.table = ChipTable.build(cfg.cluster)
+        self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
+        self.groups = ActorGroups(self.colocated)
+        self.emulated = self.table.emulated  # refined from the actors' own view of their nodes
+        self.cluster_info: dict = {}
+        self.reports: list[dict] = []  # each actor's claim report, in ``groups.processes()`` order
+        self.slice_names: list[str] | None = None
+        self.pg = None
+        self.bundles: dict = {}  # (role, rank) -> (bundle index, chips): a replacement reuses them
+        self.planned_chips: list = []
+        self.ray = None
+
+    def start_cluster(self, address: str | None):
+        """Start an embedded Ray with the chips emulated, or join ``address``; returns ``ray``."""
+        needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
+        self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address)
+        import ray
+
+        self.ray = ray
+        self.slice_names = self._slice_names()
+        return ray
+
+    def _slice_names(self) -> list[str] | None:
+        """Slice index -> the ``ray.io/tpu-slice-name`` label of its nodes, or None if unlabelled.
+
+        Embedded clusters use the chip table's names; a joined cluster's slices are whatever its
+        TPU VMs are called, taken in sorted order.
+        """
+        nodes = [n for n in self.ray.nodes() if n["Alive"]]
+        labels = [n.get("Labels", {}) for n in nodes if n.get("Resources", {}).get("TPU")]
+        if not labels or not all("ray.io/tpu-worker-id" in lb and "ray.io/tpu-slice-name" in lb for lb in labels):
+            return None
+        names = sorted({lb["ray.io/tpu-slice-name"] for lb in labels})
+        if self.cluster_info["mode"] == "embedded":
+            names = [self.table.slice_name(s) for s in range(self.cfg.cluster.slices)]
+        if len(names) < self.cfg.cluster.slices:
+            raise PlacementError(
+                f"cluster.slices={self.cfg.cluster.slices} but the Ray cluster has {len(names)} labelled TPU "
+                f"slice(s) ({', '.join(names)}); lower cluster.slices"
+            )
+        return names[: self.cfg.cluster.slices]
+
+    def spawn_all(self) -> None:
+        """One placement group, one bundle per actor, bundles in chip order on each host.
+
+        Ray hands a bundle's TPU ids in bundle order on a fresh node, so ordering bundles by the
+        planned chips makes Ray's assignment equal the plan; ``claim_all`` checks that it did.
+        Chips the plan skips are covered by idle filler bundles so the order still lines up.
+        """
+        from ray.util.placement_group import placement_group
+
+        classes = actor_classes(self.colocated)
+        planned = sorted(((chips[0].global_id, role, rank, chips) for role in classes
+                          for rank, chips in enumerate(self.roles.get(role, []))), key=lambda x: x[0])
+        bundles, selectors, slots, expected = [], [], [], {}
+        for host in self.table.hosts():
+            used = [p for p in planned if (p[3][0].slice, p[3][0].host) == host]
+            if not used:
+                continue
+            last = max(c.index for p in used for c in p[3])
+            by_start = {p[3][0].index: p for p in used}
+            i = 0
+            while i <= last:
+                sel = {"ray.io/tpu-worker-id": str(host[1]), "ray.io/tpu-slice-name": self.slice_names[host[0]]} \
+                    if self.slice_names else {}
+                if i in by_start:
+                    _, role, rank, chips = by_start[i]
+                    slots.append((len(bundles), role, rank, chips))
+                    bundles.append({"TPU": len(chips)})
+                    i += len(chips)
+                else:  # a chip the plan leaves idle: reserve it so later bundles keep their ids
+                    bundles.append({"TPU": 1})
+                    i += 1
+                selectors.append(sel)
+        pg = placement_group(bundles, strategy="PACK", name=f"rltpu-{os.getpid()}", bundle_label_selector=selectors)
+        try:
+            self.ray.get(pg.ready(), timeout=120)
+        except self.ray.exceptions.GetTimeoutError:
+            raise PlacementError(
+                f"Ray could not reserve {sum(b['TPU'] for b in bundles)} TPU chips in 120 s "
+                f"(cluster has {self.cluster_info.get('tpu_chips')}); are other jobs holding chips?"
+            ) from None
+        actors = {Role.TRAINER: {}, Role.SAMPLER: {}, Role.REWARD: {}}
+        self.pg, self.bundles = pg, {}
+        for bundle, role, rank, chips in slots:
+            self.bundles[(role, rank)] = (bundle, chips)
+            actors[role][rank] = self.new_actor(role, rank)
+            expected[(role, rank)] = chips
+        g = self.groups
+        g.trainers = [actors[Role.TRAINER][r] for r in range(len(actors[Role.TRAINER]))]
+        g.samplers = [actors[Role.SAMPLER][r] for r in range(len(actors[Role.SAMPLER]))]
+        g.rewarders = [actors[Role.REWARD][r] for r in range(len(actors[Role.REWARD]))]
+        if self.colocated:  # the same handles (one list: a replaced trainer is the replaced sampler)
+            g.samplers = g.trainers
+        self.planned_chips = [expected[(Role.TRAINER, r)] for r in range(len(g.trainers))] + \
+                             [expected[(Role.SAMPLER, r)] for r in range(len(actors[Role.SAMPLER]))] + \
+                             [expected[(Role.REWARD, r)] for r in range(len(g.rewarders))]
+
+    def new_actor(self, role: Role, rank: int, incarnation: int = 0):
+        """Start ``role`` ``rank``'s process on its placement-group bundle (its chips)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle, chips = self.bundles[(role, rank)]
+        return self.ray.remote(actor_classes(self.colocated)[role]).options(
+            name=f"rltpu-{role.value}-{rank}-{os.getpid()}" + (f"-{incarnation}" if incarnation else ""),
+            num_cpus=0, resources={"TPU": len(chips)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": actor_env(self.cfg)},
+        ).remote(rank, self.cfg.to_dict())
+
+    def chips_for(self, ident: dict) -> list:
+        """Map Ray's assignment (node, TPU ids) to chip-table entries."""
+        labels = next((n.get("Labels", {}) for n in self.ray.nodes() if n["NodeID"] == ident["node_id"]), {})
+        host = int(labels.get("ray.io/tpu-worker-id", 0))
+        slice_name = labels.get("ray.io/tpu-slice-name")
+        sl = self.slice_names.index(slice_name) if self.slice_names and slice_name in self.slice_names else 0
+        on_host = {c.index: c for c in self.table.chips_on(sl, host)}
+        missing = [i for i in ident["ray_tpu_ids"] if i not in on_host]
+        if missing:
+            raise RuntimeError(f"Ray assigned TPU ids {missing} that the chip table has no entry for on host {host}")
+        return [on_host[i] for i in ident["ray_tpu_ids"]]
+
+    def claim_all(self) -> None:
+        """Every actor proves which chips Ray gave it; they must be the planned ones, held by no other."""
+        ray = self.ray
+        actors = self.groups.processes()
+        idents = ray.get([a.identity.remote() for a in actors])
+        if self.cfg.cluster.emulated is None:
+            self.emulated = not all(i["tpu_present"] for i in idents)
+        got = [self.chips_for(i) for i in idents]
+        for planned, actual, ident in zip(self.planned_chips, got, idents):
+            if [c.global_id for c in planned] != [c.global_id for c in actual]:
+                raise PlacementError(
+                    f"Ray gave pid {ident['pid']} TPU ids {ident['ray_tpu_ids']} but the plan wanted chips "
+                    f"{[c.global_id for c in planned]}; another job may hold chips on this host"
+                )
+        self.reports = ray.get([a.claim.remote(c, i, self.emulated) for a, c, i in zip(actors, got, idents)])
+        check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
+
+    def replace(self, role: Role, rank: int, incarnation: int):
+        """A new process for ``role`` ``rank`` on its old bundle (same chips, checked, claimed)."""
+        from rltpu.observe.health import HealthError
+
+        ray, key = self.ray, f"{role.value}-{rank}"
+        try:
+            ray.kill(self.groups.group(role)[rank], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        new = self.new_actor(role, rank, incarnation)
+        ident = ray.get(new.identity.remote(), timeout=300)
+        chips = self.chips_for(ident)
+        planned = self.bundles[(role, rank)][1]
+        if [c.global_id for c in chips] != [c.global_id for c in planned]:
+            raise HealthError(f"replacement for {key} got chips {[c.global_id for c in chips]}, not its own "
+                              f"{[c.global_id for c in planned]}; another job took them")
+        report = ray.get(new.claim.remote(chips, ident, self.emulated))
+        self.groups.group(role)[rank] = new
+        self.reports = [report if (r["group"], r["rank"]) == (role.value, rank) else r for r in self.reports]
+        return new
+
+    def write(self, path: Path, extra: dict) -> None:
+        """``placement.json``: the cluster, the chip map, each actor's own report, plus ``extra``."""
+        info = {"cluster": self.cluster_info, "emulated": self.emulated, "pod_type": self.table.pod_type,
+                "mode": self.cfg.placement.mode, "staleness": self.cfg.placement.staleness,
+                "chips": self.table.to_rows(), "actors": self.reports, **extra}
+        path.write_text(json.dumps(info, indent=1, default=str))
+
+    def shutdown(self) -> None:
+        """Stop every actor (a last ``shutdown`` call each, then kill), release the chips, stop Ray."""
+        ray = self.ray
+        if ray is None or not ray.is_initialized():
+            return
+        for a in self.groups.processes():
+            try:
+                ray.get(a.shutdown.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort; the actor is killed next
+                pass
+            ray.kill(a)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        ray.shutdown()
+        from rltpu.chips.cluster import stop_emulated_nodes
+
+        stop_emulated_nodes()  # the emulated worker nodes this process started, if any

@@ -1,0 +1,76 @@
+"""One ``metrics.jsonl`` line per step, from what the step's parts returned.
+
+Pure: the step loop hands over the samplers' outputs, the trainers' stats and the sync report;
+nothing here calls an actor, so the arithmetic (per-token means over ranks, idle shares) is
+testable without Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from rltpu.config import RunConfig
+
+SYNC_KEYS = ("seconds", "bytes", "copied_bytes", "ici_bytes", "dcn_bytes", "zero_copy_frac")
+
+
+@dataclass
+class StepTimes:
+    t_step: float  # perf_counter at the step's start
+    sample_s: float
+    train_s: float
+
+
+def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen: dict, rewards: np.ndarray,
+                outs: list[dict], n_samplers: int, extra: dict, batch: dict, kl, stats: list[dict], sync: dict | None,
+                probe: float | None, times: StepTimes, reward_parts: dict, sync_generation: int,
+                sampler_weight_versions: list[int], data_cursor) -> dict:
+    """``sync`` None for a step interrupted after its update landed (no sync figures)."""
+    tc = cfg.trainer
+    sync = sync or dict.fromkeys(SYNC_KEYS)
+    tokens = max(sum(s["tokens"] for s in stats), 1)
+
+    def per_token(key: str) -> float:  # per-rank sums -> one mean over the global batch
+        return sum(s[key] for s in stats) / tokens
+
+    padded, total = sum(o["padded_slots"] for o in outs), sum(o["total_slots"] for o in outs)
+    sampler_busy = sum(o["seconds"] for o in outs) / n_samplers
+    tis = tc.off_policy_correction == "tis"
+    return {
+        "mode": cfg.placement.mode,
+        "step": step, "weight_version": version, "emulated": emulated,
+        "reward_mean": extra.get("reward_mean_sampled", float(rewards.mean())), "reward_std": float(rewards.std()),
+        "kl_in_reward": float(kl.sum() / max(batch["loss_mask"].sum(), 1)) if kl is not None else None,
+        **extra, **reward_parts,
+        "loss": per_token("pg_sum"), "kl": per_token("kl_sum"), "entropy": per_token("entropy_sum"),
+        "clip_frac": per_token("clipped"), "logp_gap": per_token("logp_gap_sum"),
+        # truncated IS (trainer.off_policy_correction=tis): mean weight, share of tokens at the cap
+        "is_weight_mean": per_token("is_weight_sum") if tis else None,
+        "is_truncated_frac": per_token("is_truncated") if tis else None,
+        "grad_norm": stats[0]["grad_norm"], "lr": stats[0]["lr"],
+        "micro_batches": stats[0]["micro_batches"],
+        "train_padding_frac": sum(s["train_padding_frac"] for s in stats) / len(stats),
+        "value_mse": per_token("value_sq_err_sum") if "value_sq_err_sum" in stats[0] else None,
+        "value_mean": per_token("value_sum") if "value_sum" in stats[0] else None,
+        "response_len": float(gen["lengths"].mean()),
+        "sample_s": times.sample_s, "train_s": times.train_s, "sync_s": sync["seconds"],
+        "step_s": time.perf_counter() - times.t_step,
+        # time each group spent in its own work (mean sampler over its generate calls; slowest
+        # trainer rank): with step_s, the share of the step each group sat idle
+        "sampler_busy_s": sampler_busy, "trainer_busy_s": max(s["seconds"] for s in stats),
+        "new_tokens_per_s": sum(o["new_tokens"] for o in outs) / max(
+            sampler_busy if cfg.placement.staleness else times.sample_s, 1e-9),
+        "compiles": sum(o["compiles"] for o in outs), "compile_s": sum(o["compile_seconds"] for o in outs),
+        "sample_program_s": max(o["program_seconds"] for o in outs),
+        "sample_host_s": max(o["host_seconds"] for o in outs),
+        "padding_frac": padded / max(total, 1),
+        "sync_bytes": sync["bytes"], "sync_copied_bytes": sync.get("copied_bytes"),
+        "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
+        "sync_generation": sync_generation, "sampler_weight_versions": list(sampler_weight_versions),
+        "sync_zero_copy_frac": sync["zero_copy_frac"],
+        "sampler_versions": sorted({int(v) for v in gen["versions"]}),
+        "sync_probe_max_diff": probe, "data_epoch": data_cursor.epoch, "data_position": data_cursor.position,
+    }
