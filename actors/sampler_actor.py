@@ -48,7 +48,7 @@ class SamplerActor:
     def receive_weights(self, version: int) -> dict:
         """Stage version ``version`` beside the live one; publish only after every sampler verified
         every bucket. On any failure the live version stays and the error propagates."""
-        from rltpu.sync.collective import count_zero_copy, receive_staged, torch_to_jax
+        from rltpu.sync.collective import count_zero_copy, device_put_params, receive_staged, torch_to_jax
 
         with self.hb.phase("syncing"):
             try:
@@ -57,9 +57,14 @@ class SamplerActor:
             except Exception:
                 self.rt.fabric.close()
                 raise
-            params = torch_to_jax(tensors)
+            if self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":
+                params, put = device_put_params(tensors)  # host staging -> the sampler's TPU devices
+                zero = 0
+            else:  # emulated: JAX on CPU adopts the aligned host buffers through DLPack
+                params, put = torch_to_jax(tensors), 0
+                zero = count_zero_copy(tensors, params)
             self.engine.set_params(params, version)  # the swap: generation runs between actor calls
-        return stats | {"zero_copy": count_zero_copy(tensors, params), "tensors": len(tensors)}
+        return stats | {"zero_copy": zero, "tensors": len(tensors), "device_put_bytes": put}
 
     def weight_version(self) -> int:
         return self.engine.version if self.engine else -1

@@ -61,13 +61,16 @@ class TrainerActor:
 
     def push_weights(self, spec, version: int) -> dict:
         """Send this rank's own FSDP shards (no all-gather); every trainer rank takes part."""
-        from rltpu.sync.collective import local_shards, send_shards
+        from rltpu.sync.collective import HostStaging, local_shards, send_shards
 
+        if getattr(self, "staging", None) is None:
+            self.staging = HostStaging()  # host buffers kept across syncs (device shards only)
         shards = local_shards(self.engine.model, [n for n, _, _ in spec])
         with self.hb.phase("syncing"):
             try:
+                shards, staged = self.staging.stage(shards)  # TorchTPU shards -> host, one copy
                 return send_shards(self.rt.fabric, shards, spec, version, int(self.cfg.sync.bucket_mb * 2**20),
-                                   self.cfg.sync.wire_dtype)
+                                   self.cfg.sync.wire_dtype) | {"staged_bytes": staged}
             except Exception:
                 self.rt.fabric.close()  # this generation is spent; the controller builds the next
                 raise

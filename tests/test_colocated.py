@@ -121,7 +121,7 @@ def test_publish_stats_single_rank_snapshot(single):
         assert st["tensors"] == len(SPEC) and st["zero_copy"] == len(SPEC)  # JAX adopts the snapshot as is
         assert st["bytes"] == st["copied_bytes"] == n_bytes  # one memcpy of the parameters, no more
         assert st["gathered_bytes"] == 0 and st["aliased_bytes"] == 0 and st["converted"] == 0
-        assert st["buckets"] == 0 and st["link_bytes"] == {"ici": 0, "dcn": 0}
+        assert st["buckets"] == 0 and st["link_bytes"] == {"host": 0, "dcn": 0, "ici": 0}
         assert st["seconds"] > 0
 
 

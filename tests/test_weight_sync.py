@@ -35,6 +35,7 @@ PG_TIMEOUT_S = 20.0
 JOIN_TIMEOUT_S = 240.0
 M = 2  # trainer ranks
 SLICES = [0, 0, 0, 1, 1]  # trainers on slice 0; samplers 0 (slice 0), 1 (relay of slice 1), 2 (slice 1)
+SLICE_ADDR = ["127.0.0.2", "127.0.0.3"]  # one emulated host per slice, each on its own loopback address
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +108,12 @@ def test_route_crosses_dcn_once_per_destination_slice():
     assert two.forwards == {3: [(0, "f1.0"), (1, "f1.0")]}
     assert two.recv_from[(4, 0)] == "f1.0" and two.recv_from[(2, 1)] == "t1"
     stream = [1000, 900]
-    assert route_link_bytes(two, stream) == {"dcn": 1900, "ici": 2 * 1900}
+    # one host per slice: slice 1's relay gets both streams over DCN, the rest stays on its host;
+    # trainer -> sampler is two runtimes, so nothing is ever counted as ICI
+    assert route_link_bytes(two, stream) == {"host": 2 * 1900, "dcn": 1900, "ici": 0}
+    assert route_link_bytes(one, stream) == {"host": 2 * 1900, "dcn": 0, "ici": 0}
+    # every sampler on its own host: each receive crosses DCN
+    assert route_link_bytes(two, stream, hosts=[0, 0, 1, 2, 3])["dcn"] == 3 * 1900
     three = plan_route([0, 1], [0, 1, 1, 2])  # trainers on two slices: each stream crosses to 2 slices
     assert route_link_bytes(three, stream)["dcn"] == 2 * 1900
 
@@ -176,8 +182,10 @@ def _worker(rank: int, world: int, port: int, q) -> None:
     )
 
     if rank == 0:
-        host_store("127.0.0.1", port, PG_TIMEOUT_S)
-    fab = SyncFabric("127.0.0.1", port, 1, rank, plan_route(SLICES[:M], SLICES[M:]), PG_TIMEOUT_S)
+        host_store(SLICE_ADDR[0], port, PG_TIMEOUT_S)
+    # each emulated slice is one host with its own loopback address; every rank binds its own
+    fab = SyncFabric(SLICE_ADDR[0], port, 1, rank, plan_route(SLICES[:M], SLICES[M:]), PG_TIMEOUT_S,
+                     bind=SLICE_ADDR[SLICES[rank]])
     events = {}
     for name, version, tspec, wire, recv, bucket in _scenarios():
         t0 = time.perf_counter()
@@ -222,9 +230,9 @@ def test_sharded_round_trip_exact_over_two_slices(two_slice_run):
             assert kind == "received", (name, p, st)
             assert st["exact"] and st["aligned"] and st["bytes"] == sum(streams), (name, p)
             assert st["dtypes"] == sorted({str(getattr(torch, d)) for _, _, d in sspec})  # sampler dtype, not wire
-        # acceptance 5: the route crosses DCN once for slice 1 (its relay), fans out over ICI there
-        links = {k: sum(res[p][name][1]["link_bytes"][k] for p in (2, 3, 4)) for k in ("ici", "dcn")}
-        assert links["dcn"] == sum(streams) and links["ici"] == 2 * sum(streams)
+        # the route crosses DCN once for slice 1 (its relay), fans out on that host; never ICI
+        links = {k: sum(res[p][name][1]["link_bytes"][k] for p in (2, 3, 4)) for k in ("host", "dcn", "ici")}
+        assert links == {"dcn": sum(streams), "host": 2 * sum(streams), "ici": 0}
         assert res[3][name][1]["forwarded_streams"] == [0, 1] and res[2][name][1]["forwarded_streams"] == []
     # bf16 on the wire halves the bytes of an fp32 model (alignment aside)
     fp32 = sum(res[p]["fp32"][1]["link_bytes"]["dcn"] for p in (2, 3, 4))
@@ -363,18 +371,49 @@ PROBE_TOKENS = np.array([[3, 5, 7, 2, 9, 4], [6, 6, 1, 8, 0, 0]], np.int64)
 PROBE_MASK = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], np.int64)
 
 
-def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
+def _tcp_sockets() -> dict[str, tuple[str, int, int]]:
+    """This process's TCP sockets from /proc: inode -> (local IPv4, local port, remote IPv4, remote port, listening)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = {}
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            (lip, lport), (rip, rport), inode = cols[1].split(":"), cols[2].split(":"), cols[9]
+            if inode in inodes:
+                ip = lambda h: ".".join(str(b) for b in bytes.fromhex(h)[::-1])  # noqa: E731
+                out[inode] = (ip(lip), int(lport, 16), ip(rip), int(rport, 16), cols[3] == "0A")
+    return out
+
+
+def _fabric_addrs(before: dict, store_port: int) -> dict[str, set[str]]:
+    """The fabric's gloo sockets (opened since ``before``, the store's excluded): the addresses they
+    listen on (what the process published to its peers) and the peers they reached."""
+    new = [v for k, v in _tcp_sockets().items() if k not in before and store_port not in (v[1], v[3])]
+    return {"listen": {lip for lip, _lp, _rip, _rp, listening in new if listening},
+            "peers": {rip for _lip, _lp, rip, _rp, listening in new if not listening}}
+
+
+def _logits_worker(rank: int, world: int, port: int, wire: str, hosts: str, q) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["JAX_PLATFORMS"] = "cpu"  # what rltpu.chips.backend sets for an emulated chip
     torch.set_num_threads(1)
     from rltpu.config import BackendConfig, SamplerConfig, TrainerConfig
     from rltpu.chips.runtime import ProcessRuntime
     from rltpu.sync.collective import (
+        HostStaging,
         SyncFabric,
+        device_put_params,
         host_store,
         local_shards,
         receive_staged,
         send_shards,
-        torch_to_jax,
     )
 
     spec = param_spec(MCFG, V)
@@ -382,9 +421,15 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
     rt = ProcessRuntime("trainer" if rank < M else "sampler", rank, "v5e", BackendConfig(device="cpu"))
     rt.init_process_groups("127.0.0.1", port, world, rank, M, PG_TIMEOUT_S)
     store_port = int(os.environ.get("RLTPU_TEST_SYNC_PORT", "0"))
+    # "two": trainers on emulated host 127.0.0.2, the sampler on 127.0.0.3; "one": all on 127.0.0.1
+    addr = "127.0.0.1" if hosts == "one" else ("127.0.0.2" if rank < M else "127.0.0.3")
+    store_host = "127.0.0.1" if hosts == "one" else "127.0.0.2"
     if rank == 0:
-        host_store("127.0.0.1", store_port, PG_TIMEOUT_S)
-    fab = SyncFabric("127.0.0.1", store_port, 1, rank, plan_route([0] * M, [0] * (world - M)), PG_TIMEOUT_S)
+        host_store(store_host, store_port, PG_TIMEOUT_S)
+    before = _tcp_sockets()  # the FSDP group's own sockets are not the fabric's
+    fab = SyncFabric(store_host, store_port, 1, rank, plan_route([0] * M, [0] * (world - M)), PG_TIMEOUT_S,
+                     bind=addr)
+    bound = _fabric_addrs(before, store_port)
     if rank < M:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -398,7 +443,8 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
                     p.copy_(p.to(torch.bfloat16).float())
         shards = local_shards(eng.model, [n for n, _, _ in spec])
         assert any(hasattr(t, "to_local") for t in eng.model.state_dict().values())  # real DTensor shards
-        st = send_shards(fab, shards, spec, 1, BUCKET_BYTES, wire)
+        shards, staged = HostStaging().stage(shards)  # the real-chip path; host shards pass through
+        st = send_shards(fab, shards, spec, 1, BUCKET_BYTES, wire) | {"staged_bytes": staged, "bound": bound}
         logits = eng.probe_logits(PROBE_TOKENS, pos, PROBE_MASK)
         q.put((rank, (st, np.asarray(logits, np.float32))))
     else:
@@ -407,25 +453,40 @@ def _logits_worker(rank: int, world: int, port: int, wire: str, q) -> None:
         shapes = {n: (s, d) for n, s, d in spec}
         eng = SamplerEngine(MCFG, SamplerConfig(max_new_tokens=4, prompt_buckets=[8]), V, 0, 1, shapes)
         tensors, st = receive_staged(fab, spec, 1, BUCKET_BYTES, wire)
-        eng.set_params(torch_to_jax(tensors), 1)
+        params, put = device_put_params(tensors)  # the real-chip path: jax.device_put onto its device
+        eng.set_params(params, 1)
+        st |= {"device_put_bytes": put, "bound": bound}
         q.put((rank, (st, np.asarray(eng.probe_logits(PROBE_TOKENS, pos, PROBE_MASK), np.float32))))
     fab.close()
     rt.shutdown()
 
 
-@pytest.mark.parametrize("wire", ["auto", "bfloat16"])
-def test_sampler_logits_equal_fsdp_trainer_logits_after_sync(wire, monkeypatch):
+@pytest.mark.parametrize("wire,hosts", [("auto", "two"), ("bfloat16", "one")])
+def test_sampler_logits_equal_fsdp_trainer_logits_after_sync(wire, hosts, monkeypatch):
+    """The real-chip path (host staging, gloo, ``jax.device_put``) on CPU: sampler logits equal the
+    FSDP trainer's; each process's gloo sockets bind its own address; bytes are counted on the
+    link they took (DCN between the two emulated hosts, host loopback on one; never ICI)."""
     from rltpu.sync.stores import free_port
 
     monkeypatch.setenv("RLTPU_TEST_SYNC_PORT", str(free_port()))
-    res = spawn_ranks(_logits_worker, M + 1, (wire,), JOIN_TIMEOUT_S, f"logits {wire}")
+    res = spawn_ranks(_logits_worker, M + 1, (wire, hosts), JOIN_TIMEOUT_S, f"logits {wire}")
     t_logits = res[0][1]
     np.testing.assert_array_equal(t_logits, res[1][1])  # both FSDP ranks compute the same logits
     s_st, s_logits = res[2]
     mask = PROBE_MASK.astype(bool)
     diff = np.abs(t_logits[mask] - s_logits[mask]).max()
     assert diff <= 1e-4, diff
-    assert s_st["bytes"] == res[0][0]["bytes"] + res[1][0]["bytes"]
+    sent = res[0][0]["bytes"] + res[1][0]["bytes"]
+    assert s_st["bytes"] == sent
+    assert res[0][0]["staged_bytes"] == 0  # CPU shards: no device-to-host copy happened, none is reported
+    assert s_st["device_put_bytes"] == sum(int(np.prod(sh)) * 4 for _, sh, _ in param_spec(MCFG, V))
+    if hosts == "two":  # every process listens on its own address; the trainers reached the sampler there
+        assert res[0][0]["bound"]["listen"] == res[1][0]["bound"]["listen"] == {"127.0.0.2"}, res[0][0]["bound"]
+        assert s_st["bound"]["listen"] == {"127.0.0.3"}, s_st["bound"]
+        assert "127.0.0.2" in s_st["bound"]["peers"]  # the sampler reached the trainers at their own address
+        assert s_st["link_bytes"] == {"host": 0, "dcn": sent, "ici": 0}
+    else:
+        assert s_st["link_bytes"] == {"host": sent, "dcn": 0, "ici": 0}  # one host: no byte is ICI
 
 
 def test_spec_digest_tracks_the_layout():

@@ -126,7 +126,11 @@ class ProcessRuntime:
         if me == 0:
             host_store(host, port, timeout_s)
         route = plan_route(trainer_slices, sampler_slices)
-        self.fabric = SyncFabric(host, port, generation, me, route, timeout_s)
+        # gloo binds this process's own address (not the store's): on several hosts every participant
+        # must be reachable at its own node's IP; the node id says which bytes stayed on one host
+        own = self.identity.get("node_ip") or host
+        self.fabric = SyncFabric(host, port, generation, me, route, timeout_s, bind=own,
+                                 host_key=self.identity.get("node_id") or own)
         return {"generation": generation, "sync_rank": me, "groups": sorted(self.fabric.groups)}
 
     def shutdown(self) -> None:

@@ -14,9 +14,13 @@ One sync, in order (every participant runs the same schedule, so collectives lin
                 ``bucket_bytes`` (pieces 64-byte aligned, big shards split across buckets, an int64
                 checksum in each bucket's trailer); two buffers: bucket k+1 is packed while bucket k
                 is on the wire (async broadcast)
-    route:      stream r goes by one broadcast to the samplers of the trainer's slice (ICI) and to
-                one relay sampler per other slice (DCN, once per destination slice); each relay
-                re-broadcasts it to the rest of its slice (ICI)
+    route:      stream r goes by one broadcast to the samplers of the trainer's slice and to one
+                relay sampler per other slice (DCN, once per destination slice); each relay
+                re-broadcasts it to the rest of its slice. Trainer (TorchTPU) and sampler (JAX) are
+                two runtimes, so no byte uses ICI: a receive is counted ``host`` (same host, gloo
+                over loopback through host memory) or ``dcn`` (another host); on real chips the
+                trainer first stages its shards to host (``HostStaging``, one copy, reused buffers)
+                and the sampler ``jax.device_put``s the staged tensors onto its devices
     samplers:   verify each bucket's checksum, copy its pieces into a staging arena (the new
                 version, beside the live one; 64-byte aligned tensors, so JAX aliases them)
     all:        verdict = all-gather of [bad flag, stream, bucket]; publish only if nobody failed
@@ -243,17 +247,24 @@ def plan_route(trainer_slices: list[int], sampler_slices: list[int]) -> Route:
     return rt
 
 
-def link_of(route: Route, p: int, group: str) -> str:
-    """Link class of sync rank ``p`` receiving on ``group``: DCN when the root sits on another slice."""
+LINKS = ("host", "dcn", "ici")  # the link classes a sync byte is counted on
+
+
+def link_of(route: Route, p: int, group: str, hosts: list[int] | None = None) -> str:
+    """Link of sync rank ``p`` receiving on ``group``: ``host`` when its sender is on the same host
+    (gloo over loopback, i.e. through host memory), ``dcn`` when it is on another host. Never ``ici``:
+    a TorchTPU trainer and a JAX sampler are two runtimes, so their bytes cannot use ICI (ICI carries
+    only the collectives inside one runtime, e.g. FSDP). Without ``hosts``, one host per slice."""
     root = route.groups[group][0]
-    return "ici" if route.slices[root] == route.slices[p] else "dcn"
+    where = hosts if hosts is not None else route.slices
+    return "host" if where[root] == where[p] else "dcn"
 
 
-def route_link_bytes(route: Route, stream_bytes: list[int]) -> dict[str, int]:
+def route_link_bytes(route: Route, stream_bytes: list[int], hosts: list[int] | None = None) -> dict[str, int]:
     """Bytes each link class carries for one sync, from the route alone (what receivers should count)."""
-    out = {"ici": 0, "dcn": 0}
+    out = dict.fromkeys(LINKS, 0)
     for (p, r), g in route.recv_from.items():
-        out[link_of(route, p, g)] += stream_bytes[r]
+        out[link_of(route, p, g, hosts)] += stream_bytes[r]
     return out
 
 
@@ -267,15 +278,20 @@ class SyncFabric:
     members arrive, and a common order makes that deadlock-free.
     """
 
-    def __init__(self, host: str, port: int, generation: int, me: int, route: Route, timeout_s: float):
+    def __init__(self, host: str, port: int, generation: int, me: int, route: Route, timeout_s: float,
+                 bind: str | None = None, host_key: str | None = None):
+        """``host:port``: the rendezvous store (sync rank 0's). ``bind``: this process's own address for
+        its gloo sockets (default ``host``, right only on one machine); ``host_key``: which host this
+        process is on (default ``bind``), all-gathered so each byte is counted on the link it took."""
         import torch.distributed as dist
         from torch.distributed import ProcessGroupGloo
 
         self.generation, self.me, self.route, self.timeout_s = generation, me, route, timeout_s
+        self.bind = bind or host
         self.timeout = timedelta(seconds=timeout_s)
         store = hosted_store(host, port) or dist.TCPStore(host, port, None, False, self.timeout)
         self.groups: dict[str, tuple[object, int]] = {}  # name -> (pg, my rank in it)
-        dev = ProcessGroupGloo.create_device(hostname=host)
+        dev = ProcessGroupGloo.create_device(hostname=self.bind)
         for name in sorted(route.groups):
             members = route.groups[name]
             if me not in members:
@@ -293,6 +309,8 @@ class SyncFabric:
                     f"weight sync generation {generation}: sync rank {me} could not join group {name} "
                     f"(members {list(members)}) within {timeout_s:g}s: {e}") from e
             self.groups[name] = (pg, members.index(me))
+        key = int.from_bytes(hashlib.sha256((host_key or self.bind).encode()).digest()[:7], "little")
+        self.hosts = [int(t) for t in self.allgather(torch.tensor([key], dtype=torch.int64), "the host exchange")]
 
     def pg(self, name: str):
         return self.groups[name][0]
@@ -476,7 +494,7 @@ def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_byt
             continue
         inbound.append((r, fabric.pg(g), g, plan, [None, None]))
     fwd = {r: fabric.pg(g) for r, g in route.forwards.get(me, [])}
-    links = {"ici": 0, "dcn": 0}
+    links = dict.fromkeys(LINKS, 0)
     works: dict[tuple[int, int], object] = {}
     msgs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -507,7 +525,7 @@ def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_byt
             fw = fwd[r].broadcast(msg, 0) if r in fwd else None
             tu = time.perf_counter()
             received += m.nbytes
-            links[link_of(route, me, g)] += m.nbytes
+            links[link_of(route, me, g, fabric.hosts)] += m.nbytes
             sums[r].append(_checksum(msg))
             if not m.direct:
                 for pc in m.pieces:
@@ -536,6 +554,52 @@ def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_byt
 
 # ---------------------------------------------------------------------------------------------
 # into JAX
+
+
+class HostStaging:
+    """Trainer side of a cross-runtime sync: shards on a device (TorchTPU ``tpu``) are copied once
+    into host buffers that are kept and reused every sync; host (CPU) shards pass through untouched,
+    so on emulated chips nothing is copied and ``staged_bytes`` is 0."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, shards: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        out, copied = {}, 0
+        for name, t in shards.items():
+            if t.device.type == "cpu":
+                out[name] = t
+                continue
+            buf = self.buffers.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self.buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            buf.copy_(t)  # the one device-to-host copy
+            out[name] = buf
+            copied += t.numel() * t.element_size()
+        return out, copied
+
+
+def _host_array(t: torch.Tensor):
+    """A numpy view of a host tensor (bf16 through ml_dtypes, which JAX uses), no copy."""
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+
+def device_put_params(tensors: dict[str, torch.Tensor], shardings: dict | None = None) -> tuple[dict, int]:
+    """Sampler side on real chips: staged host tensors -> ``jax.device_put`` onto the sampler's devices,
+    each tensor with its sharding (default: the first local device). Returns arrays and bytes put."""
+    import jax
+
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    out, nbytes = {}, 0
+    for k, t in tensors.items():
+        out[k] = jax.device_put(_host_array(t), (shardings or {}).get(k, default))
+        nbytes += t.numel() * t.element_size()
+    jax.block_until_ready(list(out.values()))  # the staging arena may be reused after this returns
+    return out, nbytes
 
 
 def torch_to_jax(tensors: dict[str, torch.Tensor]) -> dict:

@@ -142,7 +142,7 @@ def publish_local(model: torch.nn.Module, sampler, spec: ParamSpec, version: int
     zero = count_zero_copy(tensors, params)
     sampler.set_params(params, version)
     nbytes = sum(_nbytes(t) for t in tensors.values())
-    return {"version": version, "bytes": nbytes, "buckets": 0, "link_bytes": {"ici": 0, "dcn": 0},
+    return {"version": version, "bytes": nbytes, "buckets": 0, "link_bytes": {"host": 0, "dcn": 0, "ici": 0},
             "zero_copy": zero, "tensors": len(tensors), "seconds": time.perf_counter() - t0,
             "mode": "alias" if alias else "snapshot", **st}
 
