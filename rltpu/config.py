@@ -307,6 +307,10 @@ class TrainerConfig(_Section):
     """The policy update on the FSDP2-wrapped policy: algorithm, optimizer, loss options."""
 
     steps: int = Field(60, ge=1)
+    # stop early (a normal finish, final checkpoint) once the mean reward of the last
+    # ``target_window`` steps reaches this; None: run all ``steps``
+    target_reward: float | None = None
+    target_window: int = Field(5, ge=1)
     prompts_per_step: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
     betas: tuple[float, float] = (0.9, 0.99)

@@ -16,7 +16,6 @@ import pytest
 
 from learner.checkpoint import load_checkpoint
 from rltpu.observe.metrics import read_metrics
-from rltpu.sync.stores import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -98,25 +97,15 @@ def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     assert m[-1]["data_position"] == (meta["step"] + 2) * 64
 
 
-def test_joins_existing_ray_cluster(tmp_path):
-    port = free_port()
-    temp = Path("/tmp") / f"rltpu-test-{os.getpid()}"
-    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-             "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"TPU": 4}',
-             "--labels=ray.io/tpu-worker-id=0,ray.io/tpu-slice-name=rltpu-emu-slice-0",
-             f"--temp-dir={temp}", "--disable-usage-stats", "--include-dashboard=false"]
-    up = subprocess.run(start, env=ENV, capture_output=True, text=True, timeout=120)
-    assert up.returncode == 0, up.stderr[-2000:]
-    try:
-        run_dir = tmp_path / "run"
-        # also runs the KL-to-reference path (a frozen FSDP2 copy of the initial policy)
-        res = train(run_dir, "trainer.steps=3", "trainer.kl_coef=0.05", address=f"127.0.0.1:{port}")
-        assert res.returncode == 0, res.stderr[-3000:]
-        placement = json.loads((run_dir / "placement.json").read_text())
-        assert placement["cluster"]["mode"] == "joined"
-        m = read_metrics(run_dir / "metrics.jsonl")
-        assert len(m) == 3
-        assert m[0]["kl"] < 1e-6 < m[2]["kl"]  # policy == reference before the first update only
-    finally:
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=ENV,
-                       capture_output=True, timeout=120)
+def test_joins_existing_ray_cluster(shared_ray_head, tmp_path):
+    """``--address`` joins a running cluster (the suite's shared head: ``ray start --head`` with
+    4 emulated TPU chips) instead of starting one."""
+    run_dir = tmp_path / "run"
+    # also runs the KL-to-reference path (a frozen FSDP2 copy of the initial policy)
+    res = train(run_dir, "trainer.steps=3", "trainer.kl_coef=0.05", address=shared_ray_head)
+    assert res.returncode == 0, res.stderr[-3000:]
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert placement["cluster"]["mode"] == "joined"
+    m = read_metrics(run_dir / "metrics.jsonl")
+    assert len(m) == 3
+    assert m[0]["kl"] < 1e-6 < m[2]["kl"]  # policy == reference before the first update only

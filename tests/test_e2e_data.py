@@ -31,7 +31,7 @@ def recording_reward(completion: str, example: dict, column: str = "") -> float:
     return exact_answer(completion, example, column)
 
 
-def test_train_on_chat_jsonl_with_a_local_tokenizer(tmp_path):
+def test_train_on_chat_jsonl_with_a_local_tokenizer(shared_ray_head, tmp_path):
     pytest.importorskip("transformers")
     from learner.checkpoint import load_checkpoint
     from rltpu.data.chat_example import write_chat_example
@@ -45,7 +45,7 @@ def test_train_on_chat_jsonl_with_a_local_tokenizer(tmp_path):
                RAY_USAGE_STATS_ENABLED="0", **{LOG_ENV: str(log)})
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(CONFIG), f"run_dir={run_dir}", "progress=false",
            f"task.dataset={made['dataset']}", f"task.tokenizer={made['tokenizer']}",
-           "task.reward_fn=tests.test_e2e_data:recording_reward", "trainer.steps=3", "sync.verify_every=1"]
+           "task.reward_fn=tests.test_e2e_data:recording_reward", "trainer.steps=3", "sync.verify_every=1", "--address", shared_ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert res.returncode == 0, res.stderr[-3000:]
 

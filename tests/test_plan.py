@@ -6,6 +6,7 @@ q,o H*H each, k,v H*kv each, gate/up/down H*I each, two norms H, plus the final 
 
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -417,7 +418,7 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
 # -- acceptance 2: the quickstart on this CPU, against a real run --------------------------------------
 
 @pytest.fixture(scope="module")
-def quickstart_against(tmp_path_factory):
+def quickstart_against(tmp_path_factory, shared_ray_head):
     """Plan the quickstart on this machine's cpu entry (cached micro-benchmark), train the
     quickstart as configured for 20 steps with `rltpu train`, then compare per phase; and train the
     `--write-config` placement (whatever mode won) for a few steps, to show it runs."""
@@ -427,8 +428,9 @@ def quickstart_against(tmp_path_factory):
     assert res.returncode == 0, res.stderr
     for cfg, steps, run in ((QUICKSTART, 20, tmp / "run"), (out, 3, tmp / "placed_run")):
         train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}",
-                                "progress=false", "--run-dir", run], cwd=ROOT, capture_output=True, text=True,
-                               timeout=900)
+                                "progress=false", "--run-dir", run, "--address", shared_ray_head], cwd=ROOT,
+                               capture_output=True, text=True, timeout=900,
+                               env=dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0"))
         assert train.returncode == 0, train.stderr[-3000:]
     assert len((tmp / "placed_run" / "metrics.jsonl").read_text().splitlines()) == 3
     res = run_plan(QUICKSTART, "--hardware", "cpu", "--against", tmp / "run", "--json")

@@ -422,12 +422,25 @@ class Controller:
             self.phase = "idle"
 
     # -- the loop ------------------------------------------------------------------------------
+    def _reached_target(self, records: list[dict]) -> bool:
+        """``trainer.target_reward``: the mean reward of the last ``target_window`` steps reached it."""
+        tc = self.cfg.trainer
+        recent = [r["reward_mean"] for r in records[-tc.target_window:]]
+        if tc.target_reward is None or len(recent) < tc.target_window:
+            return False
+        if sum(recent) / len(recent) >= tc.target_reward:
+            print(f"rltpu: trainer.target_reward={tc.target_reward} reached at step {self.step_idx} "
+                  f"(last-{tc.target_window} mean {sum(recent) / len(recent):.3f})", file=sys.stderr, flush=True)
+            return True
+        return False
+
     def run(self) -> list[dict]:
         cfg = self.cfg
         writer = build_loggers(cfg, self.run_dir, cfg.trainer.steps - self.step_idx)
         records, data_before = [], self.data.state_dict()
         try:
-            while self.step_idx < cfg.trainer.steps or not self._saved_final():  # a failed final save rewinds
+            while (self.step_idx < cfg.trainer.steps and not self._reached_target(records)) \
+                    or not self._saved_final():  # a failed final save rewinds
                 data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
                 self.draws.pending = []
                 try:

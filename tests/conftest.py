@@ -1,0 +1,24 @@
+"""Suite-wide fixtures.
+
+``shared_ray_head``: one Ray head with 4 emulated TPU chips for every end-to-end module that joins
+a cluster with ``--address`` (each run still starts its own actors and compiles; the cluster start
+is paid once per session instead of once per module). Token auth is off for it (as in every test
+env here) because the test processes join it without the token a fresh cluster would mint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import procs
+
+RAY_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+               RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.fixture(scope="session")
+def shared_ray_head():
+    with procs.ray_head("suite", RAY_ENV) as address:
+        yield address
