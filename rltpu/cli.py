@@ -15,9 +15,15 @@ health policy (an actor failed past ``health.max_restarts``) exits with 3.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from rltpu.config import ConfigError, load_config
+# torch loads every installed device backend at ``import torch`` (entry points); torch_tpu's then
+# opens libtpu in the driver, which owns no chip. Chip-owning processes import it explicitly
+# (``rltpu.chips.backend``) when their claim says the chip is real.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from rltpu.config import ConfigError, load_config  # noqa: E402
 
 
 def _fail(msg: str) -> int:
@@ -29,9 +35,29 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt("SIGTERM")
 
 
+def preflight_real_chips(cfg, address: str | None) -> None:
+    """Before Ray starts: real chips (cluster.emulated=false, or a TPU found on this host) must form a
+    placement TorchTPU can run; with an embedded cluster every actor runs here, so this host must be
+    able to open them too (ChipUnavailableError: one line, exit 2, nothing started)."""
+    from rltpu.chips.launch import check_real_placement
+    from rltpu.chips.topology import ChipTable, Role, assign_roles
+
+    table = ChipTable.build(cfg.cluster)
+    if table.emulated:
+        return
+    roles = assign_roles(table, cfg.placement)
+    check_real_placement(cfg.cluster.generation, roles[Role.TRAINER], table.chips_per_host, cfg.placement.mode)
+    if not address:
+        from rltpu.chips.backend import decide
+
+        for role in ("trainer", "sampler"):
+            decide(role, False, cfg.backend)
+
+
 def cmd_train(args) -> int:
     import signal
 
+    from rltpu.chips.backend import ChipUnavailableError
     from rltpu.chips.cluster import PlacementError
     from rltpu.observe.health import HealthError
     from rltpu.chips.topology import ChipConflictError
@@ -43,10 +69,11 @@ def cmd_train(args) -> int:
         ckpt = cfg.resolved_run_dir / "checkpoint"
         if args.resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
             raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at the run)")
+        preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=args.resume)
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, ValueError, ChipUnavailableError) as err:
         return _fail(str(err))
     end, terminated = "failed", []
     controller.on_sigterm = lambda s, f: (terminated.append(s), _sigterm(s, f))  # re-installed after ray.init
@@ -57,6 +84,8 @@ def cmd_train(args) -> int:
         end = "finished"
     except (ConfigError, PlacementError, ChipConflictError) as err:
         return _fail(str(err))
+    except ChipUnavailableError as err:  # raised in an actor's claim: Ray wraps it; report the cause's line
+        return _fail(str(getattr(err, "cause", None) or err).splitlines()[0])
     except HealthError as err:
         print(f"rltpu: error: job stopped by its health policy: {err}", file=sys.stderr)
         return 3

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from rltpu.config import ConfigError, PlacementConfig, RunConfig
 from rltpu.plan import costmodel as cm
 from rltpu.plan.hardware import Hardware
+from rltpu.chips.launch import check_real_placement
 from rltpu.chips.topology import ChipTable, Role, assign_roles
 
 MODES = ("disaggregated", "async", "colocated")
@@ -190,6 +191,11 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         peak = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu * c.trainer_tp
         train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
     c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated)
+    if not hw.emulated and c.feasible:  # what TorchTPU cannot run on real chips (docs/tpu.md)
+        try:
+            check_real_placement(table.generation, trainers, table.chips_per_host, c.mode)
+        except ConfigError as e:
+            c.feasible, c.reason = False, str(e)
     sample_s = sum(sample.values()) * oversub_s
     train_s = sum(train.values()) * oversub_t
     sync_s = sum(h.seconds for h in c.route)
