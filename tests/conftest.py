@@ -14,6 +14,10 @@ import pytest
 
 import procs
 
+# as the CLI and the actors do: no device backend at ``import torch`` in test processes either;
+# tests of the TPU path import torch_tpu themselves
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
 RAY_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_USAGE_STATS_ENABLED="0")
 

@@ -19,7 +19,9 @@ from rltpu.config import RunConfig
 def actor_env(cfg: RunConfig) -> dict[str, str]:
     """Env fixed at process start. JAX_PLATFORMS and libtpu's vars are set later by ``claim``
     (``rltpu.chips.backend``), before the engine imports JAX."""
-    return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled"}
+    return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled",
+            # no device backend at ``import torch``: a real chip's process imports torch_tpu itself
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
 def actor_classes(colocated: bool = False) -> dict:
