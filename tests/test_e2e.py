@@ -53,6 +53,10 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
     assert len(probes) == 25 and max(probes) <= 1e-4, probes
     for key in ("loss", "kl", "clip_frac", "sample_s", "train_s", "sync_s", "new_tokens_per_s", "padding_frac"):
         assert key in m[0]
+    # one emulated host: every synced byte crossed host memory (loopback gloo), none is called ICI or
+    # DCN, and nothing was staged off a device (the trainers' tensors are already on the host)
+    assert all(r["sync_host_bytes"] == 2 * r["sync_bytes"] and r["sync_ici_bytes"] == 0 == r["sync_dcn_bytes"]
+               and r["sync_staged_bytes"] == 0 for r in m), m[-1]
     # placement: 2 samplers + 2 trainers, one process per chip, disjoint, labelled emulated
     placement = json.loads((run_dir / "placement.json").read_text())
     actors = placement["actors"]

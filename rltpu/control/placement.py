@@ -83,6 +83,7 @@ class Placement:
         self.pg = None
         self.bundles: dict = {}  # (role, rank) -> (bundle index, chips): a replacement reuses them
         self.planned_chips: list = []
+        self.launch_envs: list[dict[str, str]] | None = None  # real chips: TorchTPU's, per trainer rank
         self.ray = None
 
     def start_cluster(self, address: str | None):
@@ -209,8 +210,25 @@ class Placement:
                     f"Ray gave pid {ident['pid']} TPU ids {ident['ray_tpu_ids']} but the plan wanted chips "
                     f"{[c.global_id for c in planned]}; another job may hold chips on this host"
                 )
-        self.reports = ray.get([a.claim.remote(c, i, self.emulated) for a, c, i in zip(actors, got, idents)])
+        self.launch_envs = self._launch_envs(got, idents) if not self.emulated else None
+        self.reports = ray.get([a.claim.remote(c, i, self.emulated, *self._launch_arg(Role.TRAINER, k))
+                                if k < len(self.groups.trainers) else a.claim.remote(c, i, self.emulated)
+                                for k, (a, c, i) in enumerate(zip(actors, got, idents))])
         check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
+
+    def _launch_envs(self, got: list, idents: list) -> list[dict[str, str]]:
+        """Real chips: each trainer rank's TorchTPU launch variables, computed once for the whole
+        group as ``set_tpu_launch_env`` would (same addresses and topology on every rank). Raises
+        ConfigError (exit 2) for a group TorchTPU cannot run."""
+        from rltpu.chips.launch import launch_env_for_group
+
+        n_t = len(self.groups.trainers)
+        hostnames = {(chips[0].slice, chips[0].host): ident["node_ip"] for chips, ident in zip(got[:n_t], idents[:n_t])}
+        return launch_env_for_group(self.cfg.cluster.generation, self.roles[Role.TRAINER], hostnames)
+
+    def _launch_arg(self, role: Role, rank: int) -> list:
+        """The extra ``claim`` argument of a trainer on real chips (a replacement reuses its rank's)."""
+        return [self.launch_envs[rank]] if role == Role.TRAINER and self.launch_envs else []
 
     def replace(self, role: Role, rank: int, incarnation: int):
         """A new process for ``role`` ``rank`` on its old bundle (same chips, checked, claimed)."""
@@ -228,7 +246,7 @@ class Placement:
         if [c.global_id for c in chips] != [c.global_id for c in planned]:
             raise HealthError(f"replacement for {key} got chips {[c.global_id for c in chips]}, not its own "
                               f"{[c.global_id for c in planned]}; another job took them")
-        report = ray.get(new.claim.remote(chips, ident, self.emulated))
+        report = ray.get(new.claim.remote(chips, ident, self.emulated, *self._launch_arg(role, rank)))
         self.groups.group(role)[rank] = new
         self.reports = [report if (r["group"], r["rank"]) == (role.value, rank) else r for r in self.reports]
         return new

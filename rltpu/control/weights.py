@@ -70,8 +70,13 @@ class WeightSync:
         self.sampler_versions = [int(r["version"]) for r in received]
         return {"seconds": time.perf_counter() - t0, "bytes": sum(x["bytes"] for x in sent),
                 "buckets": sum(x["buckets"] for x in sent),
+                # the route each received byte took: host (loopback on one host), DCN between hosts;
+                # ICI never carries bytes between a torch trainer and a JAX sampler
+                "host_bytes": sum(r["link_bytes"]["host"] for r in received),
                 "ici_bytes": sum(r["link_bytes"]["ici"] for r in received),
                 "dcn_bytes": sum(r["link_bytes"]["dcn"] for r in received),
+                "staged_bytes": sum(x.get("staged_bytes", 0) for x in sent),  # device -> host copies
+                "device_put_bytes": sum(r.get("device_put_bytes", 0) for r in received),
                 "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
     def _publish_local(self, version: int, t0: float) -> dict:
@@ -83,7 +88,7 @@ class WeightSync:
         # in-process snapshot the sampler adopts
         return {"seconds": time.perf_counter() - t0, "bytes": sum(o["gathered_bytes"] for o in out),
                 "copied_bytes": sum(o.get("copied_bytes", 0) for o in out),
-                "buckets": sum(o.get("buckets", 0) for o in out),
+                "buckets": sum(o.get("buckets", 0) for o in out), "host_bytes": 0,
                 "ici_bytes": sum(o["link_bytes"]["ici"] for o in out),
                 "dcn_bytes": sum(o["link_bytes"]["dcn"] for o in out),
                 "zero_copy_frac": sum(o["zero_copy"] for o in out) / max(sum(o["tensors"] for o in out), 1)}
