@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,hf,data]'
+	$(PY) -m pip install --quiet -e '.[test,hf,data,loggers]'  # loggers: the TensorBoard/W&B/MLflow tests run in CI
 	$(PY) -m pip install --quiet -e '.[tpu]'  # TorchTPU + libtpu: imports on CPU (no device), tests compare its launch env
 	touch $@
 

@@ -446,7 +446,7 @@ class LoggersConfig(_Section):
 
     tensorboard: bool = False
     wandb: bool = False  # offline mode: files under run_dir/wandb, nothing sent
-    mlflow: bool = False  # local file store: run_dir/mlruns
+    mlflow: bool = False  # local SQLite store: run_dir/mlflow.db (mlflow ui --backend-store-uri sqlite:///...)
 
 
 class PlannerConfig(_Section):

@@ -15,6 +15,7 @@ from pathlib import Path
 import procs
 import pytest
 
+from rltpu.observe.ledger import read_ledger
 from rltpu.observe.metrics import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -44,8 +45,18 @@ def test_preset_learns(preset, ray_head, tmp_path):
     first5 = sum(r["reward_mean"] for r in m[:5]) / 5
     last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
     assert last5 > first5 + 0.1, (preset, first5, last5)
-    if preset == "dapo":  # dynamic sampling ran and reported itself
-        assert all(r["ds_rounds"] >= 1 and r["ds_prompts_sampled"] >= 64 for r in m)
+    if preset == "dapo":  # dynamic sampling: uniform groups are dropped and refilled from more rounds
+        for r in m:  # each round draws a fresh 64 prompts; the trained batch is 64 groups, informative first
+            assert 1 <= r["ds_rounds"] <= 4 and r["ds_prompts_sampled"] == 64 * r["ds_rounds"], r
+            assert r["ds_informative_groups"] + r["ds_filler_groups"] == 64, r
+            # it stops as soon as 64 groups with differing rewards are in hand; filler only after the last round
+            assert r["ds_filler_groups"] == 0 or r["ds_rounds"] == 4, r
+        assert any(r["ds_rounds"] > 1 for r in m), "no step needed a second round: the filter dropped nothing"
+        # the refill rounds drew fresh prompts: the ledger holds every prompt a step sampled, none twice
+        ledger = [ln for ln in read_ledger(run_dir / "ledger.jsonl") if "step" in ln]
+        assert [len(ln["prompts"]) for ln in ledger] == [r["ds_prompts_sampled"] for r in m]
+        drawn = [p for ln in ledger for p in ln["prompts"]]
+        assert len(set(drawn)) == len(drawn) == sum(r["ds_prompts_sampled"] for r in m)
     if preset == "ppo":  # the critic starts at 0 (zero head) and follows the rising returns
         assert m[0]["value_mean"] == 0 and m[-1]["value_mean"] > 0.05, (m[0]["value_mean"], m[-1]["value_mean"])
     if preset == "grpo_kl_in_reward":

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -215,7 +216,7 @@ def _fsdp_load_worker(rank, world, port, path, q):
         cfg = ModelConfig(path=path)
         reads = []
         orig = hf_load.CheckpointDir.read
-        hf_load.CheckpointDir.read = lambda self, name, rows=None: (reads.append(rows), orig(self, name, rows))[1]
+        hf_load.CheckpointDir.read = lambda self, name, rows=None: (reads.append((name, rows)), orig(self, name, rows))[1]
         eng = TrainerEngine(cfg, TrainerConfig(kl_coef=0.1), cfg.vocab_size, 0, mesh=mesh)
         full = {k: v.float().numpy().copy() for k, v in eng.full_state_dict().items()}  # numpy: by value
         local = sum(p.to_local().numel() for p in eng.model.parameters())
@@ -238,7 +239,16 @@ def test_fsdp_ranks_load_only_their_shard(ckpts):
     total = sum(int(np.prod(s)) for s in param_shapes(cfg).values())
     for rank in (0, 1):
         r = out[rank]
-        assert all(rows is not None for rows in r["reads"])  # never a whole tensor
+        # each tensor read twice (policy and KL reference), each time only this rank's torch.chunk rows
+        want = Counter()
+        for name, v in r["full"].items():
+            n = v.shape[0]
+            chunk = -(-n // 2)
+            lo, hi = min(rank * chunk, n), min((rank + 1) * chunk, n)
+            if hi > lo:
+                want[(name, (lo, hi))] += 2
+        assert want and Counter((name, tuple(rows) if rows is not None else None)
+                                for name, rows in r["reads"]) == want, (rank, r["reads"])
         assert r["local"] <= total // 2 + 1024 and r["ref_local"] == r["local"]
         for k, v in r["full"].items():
             np.testing.assert_array_equal(v, ckpt.read(k).float().numpy(), err_msg=k)

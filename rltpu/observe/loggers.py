@@ -1,7 +1,7 @@
 """Where step metrics go, behind one interface (``write(record)``, ``close()``).
 
 ``metrics.jsonl`` is always written (``rltpu.observe.metrics.MetricsWriter``). TensorBoard event files,
-Weights & Biases (offline mode, files only) and MLflow (a local file store) are added when
+Weights & Biases (offline mode, files only) and MLflow (a SQLite store, ``run_dir/mlflow.db``) are added when
 ``loggers.*`` asks for them; each library is an optional extra (``pip install -e '.[loggers]'``)
 imported only then, and a configured but missing one is a one-line error naming the fix.
 Every numeric field of a record is logged at ``step``; lists and strings stay in the JSONL.
@@ -52,13 +52,20 @@ class WandbLogger:
         self.run.finish()
 
 
+def mlflow_tracking_uri(run_dir: Path) -> str:
+    """The run's own MLflow store: a SQLite database in the run dir (MLflow 3 refuses the old
+    ``./mlruns`` file store). ``mlflow ui --backend-store-uri <this>`` browses it."""
+    return f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
+
+
 class MLflowLogger:
     def __init__(self, run_dir: Path, name: str):
         import mlflow
 
-        self.client = mlflow.tracking.MlflowClient(tracking_uri=(Path(run_dir) / "mlruns").resolve().as_uri())
+        self.client = mlflow.tracking.MlflowClient(tracking_uri=mlflow_tracking_uri(run_dir))
         exp = self.client.get_experiment_by_name("rltpu")
-        exp_id = exp.experiment_id if exp else self.client.create_experiment("rltpu")
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            "rltpu", artifact_location=(Path(run_dir) / "mlartifacts").resolve().as_uri())  # not ./mlruns in the cwd
         self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
 
     def write(self, record: dict) -> None:
