@@ -97,3 +97,28 @@ def test_planner_marks_what_torchtpu_cannot_run_infeasible():
         if c.trainer_chips not in (1, 4, 8) or c.chips_per_trainer != 1:
             assert not c.feasible and "real TPU trainer group" in c.reason, (c.name, c.reason)
     assert plan.as_configured.feasible, plan.as_configured.reason
+
+
+def test_status_names_what_each_actor_computes_on():
+    """`rltpu status` shows each actor's device and backend from its own claim, and a heartbeat
+    (which reports without arguments) keeps the claim's emulated flag."""
+    from rltpu.chips.backend import Decision
+    from rltpu.chips.runtime import ProcessRuntime
+    from rltpu.config import BackendConfig
+    from rltpu.observe.health import actor_rows, format_status
+
+    rt = ProcessRuntime("trainer", 0, "v5e", BackendConfig())
+    rt.decision = Decision("trainer", False, "tpu", "tpu", "tpu", "torch_tpu")
+    rt.backend_info = {"device": "tpu", "dist_backend": "tpu", "runtime": "torch_tpu", "jax_platforms": "tpu"}
+    real = rt.report()
+    assert real["emulated"] is False and real["device"] == "tpu"
+    emu = dict(real, group="sampler", emulated=True, device="cpu", dist_backend="gloo", runtime="cpu",
+               jax_platforms="cpu")
+    now = 1000.0
+    beat = {"time": now, "phase_since": now, "last_progress": now, "chip_ids": [0], "phase": "idle"}
+    rows = actor_rows({"trainer-0": real | beat, "sampler-0": emu | beat}, ["trainer-0", "sampler-0"], {}, {}, now)
+    text = format_status({"actors": rows, "state": "running", "time": now}, now)
+    lines = text.splitlines()
+    assert "device" in lines[1].split()
+    assert "tpu/tpu" in lines[2] and "emulated" not in lines[2]
+    assert "cpu/gloo (emulated)" in lines[3]

@@ -73,7 +73,10 @@ class ProcessRuntime:
         """Context for device work (TorchTPU precision on a real chip; nothing on CPU)."""
         return backend.device_modes(self.decision, self.backend_cfg)
 
-    def report(self, emulated: bool = True) -> dict:
+    def report(self, emulated: bool | None = None) -> dict:
+        """``emulated``: from the claim's backend decision once claimed (heartbeats call this bare)."""
+        if emulated is None:
+            emulated = self.decision.emulated if self.decision else None
         return {
             "group": self.role, "rank": self.rank, "pid": os.getpid(),
             "node_id": self.identity.get("node_id"), "host": self.identity.get("hostname"),

@@ -85,7 +85,9 @@ class Heartbeat:
                 "host": self.identity.get("host") or socket.gethostname(), "pid": os.getpid(),
                 "phase": self.phase_name, "phase_since": self.phase_since, "last_progress": self.last_progress,
                 "rss_mb": round(rss_mb(), 1), "time": now, "spans": spans,
-                "step": extra.get("step"), "version": extra.get("version"), "compiles": extra.get("compiles")}
+                "step": extra.get("step"), "version": extra.get("version"), "compiles": extra.get("compiles"),
+                # what the process computes on, from its claim (rltpu.chips.backend's decision)
+                **{k: self.identity.get(k) for k in ("emulated", "device", "dist_backend", "runtime", "jax_platforms")}}
 
     def start(self, monitor, interval_s: float, incarnation: int, identity: dict) -> None:
         """Begin reporting to ``monitor`` (anything with ``beat.remote(report)``)."""
@@ -220,7 +222,8 @@ def actor_rows(reports: dict[str, dict], expected: list[str], restarts: dict[str
         else:
             state = "fenced" if key in fenced else ("restarted" if restarts.get(key) else "ok")
             row |= {k: r.get(k) for k in ("chips", "chip_ids", "host", "pid", "phase", "step", "version", "rss_mb",
-                                          "compiles", "incarnation")}
+                                          "compiles", "incarnation", "emulated", "device", "dist_backend",
+                                          "runtime", "jax_platforms")}
             row |= {"heartbeat": r.get("received", r["time"]), "phase_since": r["phase_since"],
                     "last_progress": r["last_progress"], "state": state}
         if key in fenced:
@@ -264,14 +267,25 @@ def assess(doc: dict, now: float | None = None) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
+def device_label(a: dict) -> str:
+    """What the actor's process really computes on, from its own claim: ``tpu/tpu`` (torch device /
+    process-group backend; JAX platform) on real chips, ``cpu/gloo (emulated)`` here."""
+    if not a.get("device"):
+        return "-"
+    label = f"{a['device']}/{a.get('dist_backend') or '-'}"
+    if a.get("jax_platforms") and a.get("jax_platforms") != a["device"]:
+        label += f" jax:{a['jax_platforms']}"
+    return label + (" (emulated)" if a.get("emulated") else "")
+
+
 def format_status(doc: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now
-    head = ("group", "rank", "chips", "host", "phase", "step", "version", "heartbeat", "restarts", "state")
+    head = ("group", "rank", "chips", "host", "device", "phase", "step", "version", "heartbeat", "restarts", "state")
     rows = []
     for a in doc.get("actors", []):
         age = f"{now - a['heartbeat']:.1f}s" if a.get("heartbeat") else "-"
         rows.append((a["group"], str(a["rank"]), ",".join(map(str, a.get("chip_ids") or [])) or "-",
-                     str(a.get("host") or "-"), str(a.get("phase") or "-"), str(a.get("step") if a.get("step") is not None else "-"),
+                     str(a.get("host") or "-"), device_label(a), str(a.get("phase") or "-"), str(a.get("step") if a.get("step") is not None else "-"),
                      str(a.get("version") if a.get("version") is not None else "-"), age, str(a["restarts"]), a["state"]))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
