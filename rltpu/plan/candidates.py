@@ -190,7 +190,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if c.reward_on == "trainer" and w.reward_params:
         peak = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu * c.trainer_tp
         train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
-    c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated)
+    hosts_per_slice = max(1, math.ceil(table.chips_per_slice / table.chips_per_host))
+    c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated, hosts_per_slice)
     if not hw.emulated and c.feasible:  # what TorchTPU cannot run on real chips (docs/tpu.md)
         try:
             check_real_placement(table.generation, trainers, table.chips_per_host, c.mode)

@@ -328,7 +328,7 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
 @dataclass
 class Hop:
     what: str
-    link: str  # ICI, DCN, loopback (gloo on this machine), local (same process)
+    link: str  # PCIe (device <-> host), host (loopback on a TPU VM), ICI, DCN, loopback (gloo here), local
     src: str
     dst: str
     bytes: float
@@ -336,12 +336,15 @@ class Hop:
 
 
 def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slices: list[int],
-               sampler_slices: dict[int, int], n_samplers: int, colocated: bool) -> list[Hop]:
-    """Weight sync, hop by hop, after the design in ``rltpu/sync/collective.py``: every trainer streams
-    its own FSDP shard (W/f bytes, no gather) in buckets; a stream reaches the samplers of its own
-    slice by one broadcast (ICI) and crosses DCN once per other slice that holds samplers, to a
-    relay sampler that re-broadcasts inside its slice (ICI). Streams run in parallel from their own
-    chips. Colocated: an in-process reshard, i.e. the FSDP all-gather into each process's TP layout.
+               sampler_slices: dict[int, int], n_samplers: int, colocated: bool,
+               hosts_per_slice: int = 1) -> list[Hop]:
+    """Weight sync, hop by hop, after the design in ``rltpu/sync/collective.py``: every trainer stages
+    its own FSDP shard (W/f bytes, no gather) in host memory and streams it in buckets over gloo; a
+    stream reaches the samplers of its own slice by one-to-all sends (loopback on a one-host slice,
+    the host NIC otherwise) and crosses DCN once per other slice that holds samplers, to a relay
+    sampler that forwards it inside its slice; each sampler then puts the tensors on its chips. No
+    byte between a torch trainer and a JAX sampler crosses ICI (they share no runtime). Colocated:
+    an in-process reshard, i.e. the FSDP all-gather into each process's TP layout.
 
     ``sampler_slices`` maps slice -> sampler actors on it. On the cpu entry every link is gloo on
     loopback: a handshake and a verdict all-gather, then each stream's messages broadcast
@@ -383,24 +386,34 @@ def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slic
         hops.append(Hop("Ray dispatch of push/receive", "local", "driver", "actors", 0.0,
                         ray_fanout_s(hw, f + n_samplers)))
         return hops
-    ici, dcn = hw.ici_bw * hw.link_eff, hw.dcn_bw * hw.link_eff
+    # real chips (docs/tpu.md): a torch trainer and a JAX sampler share no runtime, so every byte
+    # goes device -> host (PCIe) -> gloo (loopback on one host, the host NIC between hosts) ->
+    # host -> device (jax.device_put); ICI carries none of it
+    dcn = hw.dcn_bw * hw.link_eff
+    inside = ("host", hw.host_loop_bw, hw.collective_latency_s) if hosts_per_slice <= 1 else \
+        ("DCN", dcn, hw.dcn_latency_s)  # a slice of several hosts: receivers on other hosts sit behind the NIC
+    hops.append(Hop("stage each trainer's shard device -> host (PCIe, reused buffers)", "PCIe", f"{f} trainers",
+                    "host memory", W, shard / hw.pcie_bw))
     by_src = {t: trainer_slices.count(t) for t in sorted(set(trainer_slices))}
     for s in sorted(sampler_slices):
-        remote = {t: n for t, n in by_src.items() if t != s}  # streams that must cross DCN to reach s
+        n = sampler_slices[s]
+        remote = {t: k for t, k in by_src.items() if t != s}  # streams that must cross DCN to reach s
         if remote:
             nbytes = shard * sum(remote.values())
             hops.append(Hop(f"streams to slice {s} relay (once per slice)", "DCN",
                             f"trainers on slice(s) {sorted(remote)}", f"slice {s} relay", nbytes,
                             shard / dcn + hw.dcn_latency_s))
         local = by_src.get(s, 0)
-        if local and sampler_slices[s]:
-            hops.append(Hop(f"streams inside slice {s}", "ICI", f"{local} trainers", f"{sampler_slices[s]} samplers",
-                            shard * local, shard / ici + math.ceil(math.log2(sampler_slices[s] + 1))
-                            * hw.collective_latency_s))
-        if remote and sampler_slices[s] > 1:
-            hops.append(Hop(f"relay broadcast inside slice {s}", "ICI", f"slice {s} relay",
-                            f"{sampler_slices[s] - 1} samplers", shard * sum(remote.values()),
-                            shard * sum(remote.values()) / ici + hw.collective_latency_s))
+        link, bw, lat = inside
+        if local and n:  # gloo's root sends to each receiver in turn: n copies leave each trainer
+            hops.append(Hop(f"streams inside slice {s}", link, f"{local} trainers", f"{n} samplers",
+                            shard * local * n, n * shard / bw + lat))
+        if remote and n > 1:  # the relay forwards every remote stream to its n - 1 neighbours in turn
+            relayed = shard * sum(remote.values())
+            hops.append(Hop(f"relay broadcast inside slice {s}", link, f"slice {s} relay", f"{n - 1} samplers",
+                            relayed * (n - 1), relayed * (n - 1) / bw + lat))
+    hops.append(Hop("host -> device on each sampler (jax.device_put, PCIe)", "PCIe", "host memory",
+                    f"{n_samplers} samplers", W * n_samplers, W / hw.pcie_bw))
     return hops
 
 

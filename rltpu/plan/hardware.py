@@ -37,6 +37,10 @@ class Hardware:
     sources: dict[str, str]
     unconfirmed: tuple[str, ...] = ()
     emulated: bool = False
+    pcie_bw: float = 16e9  # bytes/s per chip, each way, between its HBM and host memory
+    # gloo over loopback between two processes of one TPU VM (one TCP stream): an assumption, listed
+    # in ``unconfirmed`` on every TPU entry; the cpu entry measures its own loopback instead
+    host_loop_bw: float = 4e9
     # Stated efficiencies (fractions of peak reached by real programs); assumptions, not measured here.
     train_mfu: float = 0.45  # prime-rl trainer 36% (H200), TorchTPU Llama-405B >50% (v7x) [peer-systems.md]
     prefill_mfu: float = 0.5
@@ -68,31 +72,38 @@ class Hardware:
 # Figures: tpu-hardware.md table and raw notes; tags [v4] [v5e] [v5p] [v6e] [7x] [TT] [SB] [XPK] [RAY].
 # ICI: bidirectional per chip (links x per-link). DCN: per chip (Gb/s / 8).
 _TPU = {
-    "v4": dict(hbm=32 * GiB, hbm_bw=1200 * GB, flops=275e12, ici=540 * GB, dcn=25e9 / 8 * 2, max_chips=4096,
+    "v4": dict(hbm=32 * GiB, hbm_bw=1200 * GB, flops=275e12, ici=540 * GB, dcn=25e9 / 8 * 2, max_chips=4096, pcie=16e9,
                sources={"hbm": "[v4] 32 GiB HBM2", "hbm_bw": "[v4] 1200 GB/s", "flops": "[v4] 275 TFLOP/s bf16",
                         "ici": "derived from [SB]: 6 links x 9e10 B/s", "dcn": "none found; v5e-like 50 Gb/s assumed",
+                        "pcie": "[SB] PCIe v4 16 GB/s each way",
                         "max_chips": "[v4] pod 4096 chips"},
-               unconfirmed=("ici", "dcn")),
-    "v5e": dict(hbm=16 * GB, hbm_bw=819 * GB, flops=197e12, ici=400 * GB, dcn=25e9 / 8, max_chips=256,
+               unconfirmed=("ici", "dcn", "host_loop")),
+    "v5e": dict(hbm=16 * GB, hbm_bw=819 * GB, flops=197e12, ici=400 * GB, dcn=25e9 / 8, max_chips=256, pcie=16e9,
                 sources={"hbm": "[v5e] 16 GB", "hbm_bw": "[v5e] 819 GB/s (newer table says 800 GiB/s: inconsistent)",
                          "flops": "[v5e] 197 TFLOP/s bf16", "ici": "[v5e] 400 GB/s, 4 ports",
-                         "dcn": "[v5e] 2x100 Gb/s per 8-chip host = 25 Gb/s per chip [SB]", "max_chips": "[v5e] 256"},
-                unconfirmed=("hbm_bw",)),
-    "v5p": dict(hbm=95 * GiB, hbm_bw=2765 * GB, flops=459e12, ici=1200 * GB, dcn=50e9 / 8, max_chips=6144,
+                         "dcn": "[v5e] 2x100 Gb/s per 8-chip host = 25 Gb/s per chip [SB]", "max_chips": "[v5e] 256",
+                         "pcie": "[SB] ~1.6e10 B/s per TPU"},
+                unconfirmed=("hbm_bw", "host_loop")),
+    "v5p": dict(hbm=95 * GiB, hbm_bw=2765 * GB, flops=459e12, ici=1200 * GB, dcn=50e9 / 8, max_chips=6144, pcie=16e9,
                 sources={"hbm": "[v5p] 95 GiB usable (96 physical, 1 reserved by libtpu)", "hbm_bw": "[v5p] 2765 GB/s",
                          "flops": "[v5p] 459 TFLOP/s bf16", "ici": "[v5p] 1200 GB/s, 6 links",
-                         "dcn": "[v5p] 50 Gb/s per chip", "max_chips": "[v5p] 16x16x24 = 6144 (xpk lists 16x20x28: conflict)"},
-                unconfirmed=("max_chips",)),
-    "v6e": dict(hbm=32 * GB, hbm_bw=1638 * GB, flops=918e12, ici=800 * GB, dcn=100e9 / 8, max_chips=256,
+                         "dcn": "[v5p] 50 Gb/s per chip", "max_chips": "[v5p] 16x16x24 = 6144 (xpk lists 16x20x28: conflict)",
+                         "pcie": "[SB] ~1.6e10 B/s per TPU"},
+                unconfirmed=("max_chips", "host_loop")),
+    "v6e": dict(hbm=32 * GB, hbm_bw=1638 * GB, flops=918e12, ici=800 * GB, dcn=100e9 / 8, max_chips=256, pcie=32e9,
                 sources={"hbm": "[v6e] 32 GB", "hbm_bw": "[v6e] 1638 GB/s", "flops": "[v6e] 918 TFLOP/s bf16",
-                         "ici": "[v6e] 800 GB/s, 4 ports", "dcn": "[7x][SB] 100 Gb/s per chip", "max_chips": "[XPK][RAY] 256"},
-                unconfirmed=()),
-    "7x": dict(hbm=192 * GiB, hbm_bw=7380 * GB, flops=2307e12, ici=1200 * GB, dcn=100e9 / 8, max_chips=9216,
+                         "ici": "[v6e] 800 GB/s, 4 ports", "dcn": "[7x][SB] 100 Gb/s per chip", "max_chips": "[XPK][RAY] 256",
+                         "pcie": "[SB] 3.2e10 B/s per TPU on v6e"},
+                unconfirmed=("host_loop",)),
+    "7x": dict(hbm=192 * GiB, hbm_bw=7380 * GB, flops=2307e12, ici=1200 * GB, dcn=100e9 / 8, max_chips=9216, pcie=32e9,
                sources={"hbm": "[7x] 192 GiB", "hbm_bw": "[7x] 7380 GB/s", "flops": "[7x] 2307 TFLOP/s bf16",
                         "ici": "[7x] 1200 GB/s", "dcn": "[7x] 100 Gb/s per chip",
-                        "max_chips": "[7x] pod 9216; largest single slice not documented"},
-               unconfirmed=("max_chips",)),
+                        "max_chips": "[7x] pod 9216; largest single slice not documented",
+                        "pcie": "none found; v6e-like 32 GB/s assumed"},
+               unconfirmed=("max_chips", "pcie", "host_loop")),
 }
+_HOST_LOOP_SOURCE = ("assumption: gloo over loopback TCP between two processes of one TPU VM, one stream; "
+                     "not measured on a TPU VM")
 
 
 def tpu(generation: str) -> Hardware:
@@ -102,8 +113,8 @@ def tpu(generation: str) -> Hardware:
     facts = GENERATION_FACTS[generation]
     return Hardware(
         name=generation, hbm_bytes=d["hbm"], hbm_bw=d["hbm_bw"], peak_flops=d["flops"], ici_bw=d["ici"],
-        dcn_bw=d["dcn"], chips_per_host=math.prod(facts.host_block), max_slice_chips=d["max_chips"], facts=facts,
-        sources=d["sources"], unconfirmed=tuple(d["unconfirmed"]),
+        dcn_bw=d["dcn"], pcie_bw=d["pcie"], chips_per_host=math.prod(facts.host_block), max_slice_chips=d["max_chips"],
+        facts=facts, sources={**d["sources"], "host_loop": _HOST_LOOP_SOURCE}, unconfirmed=tuple(d["unconfirmed"]),
     )
 
 
