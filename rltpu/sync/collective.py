@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import pickle
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -347,7 +347,9 @@ def _who(route: Route, p: int) -> str:
     return f"trainer {p}" if p < route.n_trainers else f"sampler {p - route.n_trainers}"
 
 
-def _first_difference(a: tuple, b: tuple) -> str:
+def _first_difference(a: tuple | None, b: tuple | None) -> str:
+    if a is None or b is None:
+        return "unreadable handshake details (not the JSON layout; a foreign or corrupt peer)"
     (va, na, ba, wa, sa), (vb, nb, bb, wb, sb) = a, b
     if va != vb:
         return f"version {vb} vs {va}"
@@ -363,6 +365,16 @@ def _first_difference(a: tuple, b: tuple) -> str:
     return "layouts differ"
 
 
+def decode_details(raw: bytes) -> tuple:
+    """A peer's handshake details (JSON: version, trainers, bucket bytes, wire dtype, layout); bytes
+    that are not that shape become a layout nobody matches, never code that runs."""
+    try:
+        v, n, b, w, spec = json.loads(raw.decode("utf-8"))
+        return v, n, b, w, [(str(e[0]), list(e[1]), str(e[2])) for e in spec]
+    except (ValueError, TypeError, UnicodeDecodeError, IndexError, KeyError):
+        return None
+
+
 def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str) -> None:
     """Everyone agrees on (version, layout) or everyone raises the same one-line error."""
     route = fabric.route
@@ -370,12 +382,15 @@ def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: i
     got = [tuple(int(x) for x in t) for t in fabric.allgather(mine, "the handshake")]
     if all(g == got[0] for g in got):
         return
-    detail = pickle.dumps((version, route.n_trainers, bucket_bytes, wire, [(n, tuple(s), d) for n, s, d in spec]))
+    # JSON, never pickle: these bytes come from peers over an unauthenticated store
+    detail = json.dumps([version, route.n_trainers, bucket_bytes, wire,
+                         [[n, list(s), str(d)] for n, s, d in spec]]).encode()
     n = torch.tensor([len(detail)], dtype=torch.int64)
-    longest = max(int(x) for x in fabric.allgather(n, "the handshake details"))
-    buf = torch.zeros(longest, dtype=torch.uint8)
+    sizes = [int(x) for x in fabric.allgather(n, "the handshake details")]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
     buf[: len(detail)] = torch.frombuffer(bytearray(detail), dtype=torch.uint8)
-    details = [pickle.loads(bytes(t.numpy())) for t in fabric.allgather(buf, "the handshake details")]
+    details = [decode_details(bytes(t.numpy()[:k]))
+               for t, k in zip(fabric.allgather(buf, "the handshake details"), sizes)]
     p = next(i for i, g in enumerate(got) if g != got[0])
     raise WeightSyncError(
         f"weight sync v{version}: {_who(route, p)} (sync rank {p}) disagrees with {_who(route, 0)}: "
