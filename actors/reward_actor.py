@@ -16,10 +16,12 @@ class RewardActor:
         self.hb = Heartbeat("reward", rank)
 
     def identity(self) -> dict:
-        return ray_identity()
+        with self.hb.phase("identity"):
+            return ray_identity()
 
     def claim(self, chips, identity, emulated):
-        return self.rt.claim(chips, identity, emulated)
+        with self.hb.phase("claim"):
+            return self.rt.claim(chips, identity, emulated)
 
     def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
         self.hb.start(monitor, interval_s, incarnation, self.rt.report())

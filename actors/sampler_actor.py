@@ -19,13 +19,16 @@ class SamplerActor:
                                                       "compiles": self.engine.stats.compiles})
 
     def identity(self) -> dict:
-        return ray_identity()
+        with self.hb.phase("identity"):
+            return ray_identity()
 
     def claim(self, chips, identity, emulated):
-        return self.rt.claim(chips, identity, emulated)
+        with self.hb.phase("claim"):
+            return self.rt.claim(chips, identity, emulated)
 
     def init_process_groups(self, *args) -> None:
-        self.rt.init_process_groups(*args)
+        with self.hb.phase("rendezvous"):
+            self.rt.init_process_groups(*args)
 
     def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
         self.hb.start(monitor, interval_s, incarnation, self.rt.report())
@@ -43,7 +46,8 @@ class SamplerActor:
             return self.engine.precompile() if self.cfg.sampler.precompile else []
 
     def join_sync(self, *args) -> dict:
-        return self.rt.join_sync(*args)
+        with self.hb.phase("join_sync"):
+            return self.rt.join_sync(*args)
 
     def receive_weights(self, version: int) -> dict:
         """Stage version ``version`` beside the live one; publish only after every sampler verified
@@ -76,7 +80,8 @@ class SamplerActor:
         return out
 
     def probe_logits(self, tokens, position_ids, attention_mask):
-        return self.engine.probe_logits(tokens, position_ids, attention_mask)
+        with self.hb.phase("probe"):
+            return self.engine.probe_logits(tokens, position_ids, attention_mask)
 
     def report(self) -> dict:
         return self.rt.report() | {"weight_version": self.engine.version if self.engine else -1}

@@ -17,18 +17,21 @@ class TrainerActor:
         self.hb = Heartbeat("trainer", rank, lambda: {"step": self.engine.step, "version": self.engine.step})
 
     def identity(self) -> dict:
-        return ray_identity()
+        with self.hb.phase("identity"):
+            return ray_identity()
 
     def claim(self, chips, identity, emulated, launch_env: dict | None = None):
         """``launch_env``: this rank's TorchTPU launch variables (``rltpu.chips.launch``), on real chips."""
-        return self.rt.claim(chips, identity, emulated, launch_env)
+        with self.hb.phase("claim"):
+            return self.rt.claim(chips, identity, emulated, launch_env)
 
     def rendezvous(self) -> tuple[str, int]:
         ip = self.rt.identity.get("node_ip", "127.0.0.1")
         return ip, free_port(ip)
 
     def init_process_groups(self, *args) -> None:
-        self.rt.init_process_groups(*args)
+        with self.hb.phase("rendezvous"):
+            self.rt.init_process_groups(*args)
 
     def start_heartbeat(self, monitor, interval_s: float, incarnation: int) -> None:
         self.hb.start(monitor, interval_s, incarnation, self.rt.report())
@@ -57,7 +60,8 @@ class TrainerActor:
             return self.engine.values(batch)
 
     def join_sync(self, *args) -> dict:
-        return self.rt.join_sync(*args)
+        with self.hb.phase("join_sync"):
+            return self.rt.join_sync(*args)
 
     def push_weights(self, spec, version: int) -> dict:
         """Send this rank's own FSDP shards (no all-gather); every trainer rank takes part."""
@@ -76,7 +80,7 @@ class TrainerActor:
                 raise
 
     def probe_logits(self, tokens, position_ids, attention_mask):
-        with self.rt.modes():
+        with self.hb.phase("probe"), self.rt.modes():
             return self.engine.probe_logits(tokens, position_ids, attention_mask)
 
     def save_checkpoint(self, path: str, meta: dict) -> str | None:

@@ -31,8 +31,13 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt("SIGTERM")
+def _one_line(err: BaseException) -> str:
+    """``Type: first line`` of an error; a Ray task error is reported by its cause."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        err = cause
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
 
 
 def preflight_real_chips(cfg, address: str | None) -> None:
@@ -55,33 +60,65 @@ def preflight_real_chips(cfg, address: str | None) -> None:
 
 
 def cmd_train(args) -> int:
-    import signal
+    """One interrupt path: SIGINT or SIGTERM at any point (start-up, sample, train, sync, checkpoint)
+    -> ``Controller.stop_on_interrupt`` (checkpoint) -> one line, exit 130 / 143."""
+    from rltpu.control.interrupts import INTERRUPTS
 
+    INTERRUPTS.install()  # before anything slow (imports, config): a signal now is already ours
+    try:
+        return _train(args, INTERRUPTS)
+    except KeyboardInterrupt:  # before the controller existed
+        INTERRUPTS.ignore()
+        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran", file=sys.stderr,
+              flush=True)
+        return INTERRUPTS.exit_code()
+    finally:
+        INTERRUPTS.restore()
+
+
+def _train(args, interrupts) -> int:
     from rltpu.chips.backend import ChipUnavailableError
     from rltpu.chips.cluster import PlacementError
-    from rltpu.observe.health import HealthError
     from rltpu.chips.topology import ChipConflictError
+    from rltpu.observe.health import HealthError, PhaseTimeout
 
     try:
         cfg = load_config(args.config, args.overrides)
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        resume = args.resume
         ckpt = cfg.resolved_run_dir / "checkpoint"
-        if args.resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
-            raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at the run)")
+        if resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
+            from rltpu.observe.ledger import effective, read_ledger
+
+            if effective(read_ledger(cfg.resolved_run_dir / "ledger.jsonl")):
+                raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at "
+                                  f"the run)")
+            if cfg.resolved_run_dir.exists():  # stopped during start-up: nothing was trained, nothing is lost
+                print(f"rltpu: --resume: no checkpoint yet in {cfg.resolved_run_dir} and no step trained; "
+                      f"starting from step 0", file=sys.stderr, flush=True)
+                resume = False
+            else:
+                raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at "
+                                  f"the run)")
         preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 
-        controller = Controller(cfg, address=args.address, resume=args.resume)
-    except (ConfigError, ValueError, ChipUnavailableError) as err:
-        return _fail(str(err))
-    end, terminated = "failed", []
-    controller.on_sigterm = lambda s, f: (terminated.append(s), _sigterm(s, f))  # re-installed after ray.init
-    previous = signal.signal(signal.SIGTERM, controller.on_sigterm)
+        controller = Controller(cfg, address=args.address, resume=resume)
+    except (ConfigError, ValueError, ChipUnavailableError, OSError) as err:
+        return _fail(str(err) if not isinstance(err, OSError) else _one_line(err))
+    controller.handle_signals = True  # re-installed after ray.init
+    end = "failed"
     try:
         controller.start()
         records = controller.run()
         end = "finished"
+    except KeyboardInterrupt:
+        end = "stopped"
+        interrupts.ignore()  # the checkpoint is being written: a second signal must not cut it short
+        line = controller.stop_on_interrupt()
+        print(f"rltpu: stopped by {interrupts.name()} {line}", file=sys.stderr, flush=True)
+        return interrupts.exit_code()
     except (ConfigError, PlacementError, ChipConflictError) as err:
         return _fail(str(err))
     except ChipUnavailableError as err:  # raised in an actor's claim: Ray wraps it; report the cause's line
@@ -89,19 +126,26 @@ def cmd_train(args) -> int:
     except HealthError as err:
         print(f"rltpu: error: job stopped by its health policy: {err}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        end = "stopped"
-        print(f"rltpu: stopped; checkpoint and metrics are in {controller.run_dir}", file=sys.stderr)
-        return 143 if terminated else 130
+    except Exception as err:  # noqa: BLE001 - Ray task errors, OS errors, timeouts: one line, not a traceback
+        import ray.exceptions
+
+        if os.environ.get("RLTPU_TRACEBACK") or not isinstance(
+                err, (ray.exceptions.RayError, OSError, PhaseTimeout, TimeoutError)):
+            raise  # our own bug: the traceback is what a report needs
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, ConfigError):  # a user error raised inside an actor
+            return _fail(str(cause).splitlines()[0])
+        print(f"rltpu: error: {_one_line(err)} (run dir {controller.run_dir}; RLTPU_TRACEBACK=1 for the "
+              f"traceback)", file=sys.stderr, flush=True)
+        return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # shutting down: a second TERM must not cut it short
+        interrupts.ignore()  # shutting down: a second signal must not cut it short
         controller.shutdown(end)
-        signal.signal(signal.SIGTERM, previous)
-    last = records[-5:]
-    if last:
+    if controller.steps_run:
+        last = records[-5:]
         mean = sum(r["reward_mean"] for r in last) / len(last)
         chips = "emulated chips" if controller.emulated else "TPU chips"
-        print(f"rltpu: done: {len(records)} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
+        print(f"rltpu: done: {controller.steps_run} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
               f"run dir {controller.run_dir}")
     return 0
 
@@ -205,8 +249,13 @@ def cmd_dashboard(args) -> int:
 
     from rltpu.observe.dashboard import serve
 
+    from rltpu.config import is_loopback
+
     if not Path(args.run_dir).is_dir():
         return _fail(f"no run directory {args.run_dir}; pass the run_dir of `rltpu train` (e.g. runs/quickstart)")
+    if not is_loopback(args.host) and not args.allow_remote:
+        return _fail(f"--host {args.host} is not a loopback address: anyone on the network could read the run; "
+                     f"add --allow-remote to mean it (or use 127.0.0.1)")
     try:
         server = serve(args.run_dir, args.host, args.port)
     except OSError as err:
@@ -267,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("run_dir", nargs="?", default="runs/quickstart", help="run directory (default runs/quickstart)")
     q.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     q.add_argument("--port", type=int, default=8266, help="port (0: any free one)")
+    q.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (no authentication)")
     q.set_defaults(func=cmd_dashboard, overrides=[])
     # overrides may come before or after flags (argparse alone stops collecting them at a flag)
     args, extra = parser.parse_known_args(argv)

@@ -29,6 +29,18 @@ class _Section(BaseModel):
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ClusterConfig(_Section):
     """Which chips exist. On a CPU machine they are emulated Ray ``TPU`` resources."""
 
@@ -39,6 +51,7 @@ class ClusterConfig(_Section):
     address: str | None = None  # join an existing Ray cluster ("auto" or host:port)
     ray_temp_dir: str | None = None  # embedded Ray's temp dir; default a fresh /tmp/rltpu-ray-* (short socket paths)
     bind_host: str = "127.0.0.1"
+    allow_remote: bool = False  # a non-loopback bind_host opens the cluster to the network: say so explicitly
 
     @field_validator("topology")
     @classmethod
@@ -56,6 +69,9 @@ class ClusterConfig(_Section):
                 f"topology {self.topology!r} has {ndim} dims but {self.generation} slices are {want}D "
                 f"(e.g. {'2x4' if want == 2 else '2x2x1'})"
             )
+        if not self.allow_remote and not is_loopback(self.bind_host):
+            raise ValueError(f"bind_host={self.bind_host!r} is not a loopback address: other hosts could reach the "
+                             f"embedded Ray cluster; set cluster.allow_remote=true to mean it (or bind 127.0.0.1)")
         return self
 
 
@@ -422,6 +438,13 @@ class PhaseDeadlines(_Section):
     training: float = Field(600.0, gt=0)
     syncing: float = Field(120.0, gt=0)
     checkpointing: float = Field(600.0, gt=0)
+    # start-up and supervision steps: each remote call waits at most this long, and an actor
+    # reporting the phase longer than this is fenced (none of them runs as the deadline-free "idle")
+    identity: float = Field(300.0, gt=0)  # includes starting the process (imports)
+    claim: float = Field(300.0, gt=0)
+    rendezvous: float = Field(300.0, gt=0)
+    join_sync: float = Field(300.0, gt=0)
+    probe: float = Field(300.0, gt=0)
 
 
 class HealthConfig(_Section):
@@ -433,12 +456,25 @@ class HealthConfig(_Section):
     deadlines: PhaseDeadlines = PhaseDeadlines()
     max_restarts: int = Field(3, ge=0)  # per actor slot; one more failure stops the job with a report
     poll_s: float = Field(1.0, gt=0)  # the controller's watchdog: health.json and verdicts this often
+    # bounded driver memory: the files are the record (metrics.jsonl, ledger.jsonl); in memory and in
+    # trace.json only the newest spans/events are kept
+    trace_max_spans: int = Field(20_000, ge=0)  # actor + controller phase spans kept for trace.json
+    max_events: int = Field(200, ge=1)  # fenced/replaced/restarted events kept (health.json, status)
+    trace_every_s: float = Field(10.0, ge=0)  # trace.json is rewritten at most this often (and at the end)
 
 
 class DashboardConfig(_Section):
     enabled: bool = False  # `rltpu train` serves the live page while it runs
     host: str = "127.0.0.1"
     port: int = Field(8266, ge=0, le=65535)  # 0: any free port (printed at start)
+    allow_remote: bool = False  # a non-loopback host serves the run to the network: say so explicitly
+
+    @model_validator(mode="after")
+    def _loopback(self) -> "DashboardConfig":
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(f"host={self.host!r} is not a loopback address: anyone on the network could read the "
+                             f"run; set dashboard.allow_remote=true to mean it (or use 127.0.0.1)")
+        return self
 
 
 class LoggersConfig(_Section):

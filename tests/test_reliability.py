@@ -68,3 +68,210 @@ def test_handshake_details_are_json_and_name_the_difference():
                                                    ["head.weight", [8, 5], "float32"]]]).encode()
     with pytest.raises(WeightSyncError, match=r"first differing tensor 'head.weight': head.weight \(8, 5\)"):
         handshake(_FakeFabric(peer), 3, SPEC, 1 << 20, "float32")
+
+
+# -- torn tails, fsynced commits ------------------------------------------------------------------
+def test_torn_last_line_is_reported_dropped_and_cut_before_the_next_append(tmp_path, capsys):
+    from rltpu.observe.ledger import Ledger, effective, read_ledger
+    from rltpu.observe.metrics import MetricsWriter, read_metrics
+
+    led = tmp_path / "ledger.jsonl"
+    led.write_text(json.dumps({"step": 1, "weight_version": 0, "prompts": ["0:0:a"]}) + "\n" + '{"step": 2, "wei')
+    assert effective(read_ledger(led)) == {1: ["0:0:a"]}
+    assert "ledger.jsonl: dropped a torn last line" in capsys.readouterr().err
+    Ledger(led).commit(2, ["0:1:b"], 1)  # --resume appends: the torn half is cut, the new line whole
+    assert effective(read_ledger(led)) == {1: ["0:0:a"], 2: ["0:1:b"]}
+    assert led.read_text().count("\n") == 2
+
+    met = tmp_path / "metrics.jsonl"
+    met.write_text(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew')
+    assert read_metrics(met) == [{"step": 1}]
+    w = MetricsWriter(met, 3, progress=False)
+    w.write({"step": 2})
+    w.close()
+    assert read_metrics(met) == [{"step": 1}, {"step": 2}]
+    met.write_text('{"step": 1}\nnot json\n{"step": 3}\n')  # corruption in the middle is not a torn tail
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        read_metrics(met)
+
+
+def test_ledger_commit_is_fsynced(tmp_path, monkeypatch):
+    from rltpu.observe import jsonl
+    from rltpu.observe.ledger import Ledger
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(jsonl.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    Ledger(tmp_path / "ledger.jsonl").commit(1, ["0:0:a"], 0)
+    assert synced
+
+
+# -- the progress display -------------------------------------------------------------------------
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_formats_missing_figures_and_prints_plain_lines_off_a_terminal(tmp_path):
+    from rltpu.observe.metrics import MetricsWriter, summary
+
+    interrupted = {"step": 4, "reward_mean": 0.5, "sample_s": 0.1, "train_s": 0.2, "sync_s": None}
+    assert summary(interrupted) == "reward=0.500 sample=0.10s train=0.20s sync=-"
+    for tty in (True, False):  # the bug: the tqdm path formatted None with .2f -> TypeError, no checkpoint
+        out = _Stream(tty)
+        w = MetricsWriter(tmp_path / f"m{tty}.jsonl", 5, progress=True, stream=out)
+        for k in range(1, 6):
+            w.write(dict(interrupted, step=k))
+        w.close()
+        if tty:
+            assert "\r" in out.text
+        else:
+            assert "\r" not in out.text
+            lines = out.text.splitlines()
+            assert lines[0].startswith("rltpu: step 1 (1/5) reward=0.500") and lines[-1].startswith("rltpu: step 5 (5/5)")
+            assert len(lines) == 2  # first and last; in between only every PLAIN_EVERY_S seconds
+
+
+# -- bounded in-memory history --------------------------------------------------------------------
+def test_watchdog_and_supervisor_history_is_bounded_by_config(tmp_path):
+    from types import SimpleNamespace
+
+    from rltpu.config import load_config
+    from rltpu.control.supervisor import Supervisor
+    from rltpu.observe.health import Watchdog
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
+                      ["progress=false", "health.trace_max_spans=100", "health.max_events=7"])
+
+    class Monitor:
+        class snapshot:  # noqa: N801 - mimics an actor method
+            @staticmethod
+            def remote():
+                return "ref"
+
+    wd = Watchdog(Monitor, cfg.health, fence=None, write=lambda: None)
+    ray_stub = SimpleNamespace(get=lambda ref, timeout=None: {"reports": {}, "spans": [
+        {"actor": "sampler-0", "pid": 1, "phase": "sampling", "start": 0.0, "end": 1.0}] * 40})
+    import ray
+
+    real_get = ray.get
+    ray.get = ray_stub.get
+    try:
+        for _ in range(10):
+            wd.poll(act=False)
+    finally:
+        ray.get = real_get
+    assert len(wd.spans) == 100
+    ctl = SimpleNamespace(cfg=cfg, step_idx=0, run_dir=tmp_path)
+    sup = Supervisor(ctl)
+    for k in range(50):
+        sup.event(f"sampler-{k % 2}", "replaced", "test")
+        sup.set_phase("sample" if k % 2 else "train", k)
+    assert len(sup.events) == 7 and sup.spans.maxlen == 25
+
+
+def test_failed_trace_write_is_a_warning_not_the_end(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from rltpu.config import load_config
+    from rltpu.control.supervisor import Supervisor
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", ["health.trace_every_s=0"])
+    sup = Supervisor(SimpleNamespace(cfg=cfg, step_idx=0, run_dir=tmp_path / "missing" / "dir"))
+    sup.maybe_write_trace()  # the directory does not exist: OSError
+    assert "could not write trace.json" in capsys.readouterr().err
+
+
+# -- status of a finished run ---------------------------------------------------------------------
+def test_status_of_a_finished_run_shows_no_actor_training(tmp_path):
+    from types import SimpleNamespace
+
+    from rltpu.config import load_config
+    from rltpu.control.supervisor import Supervisor
+    from rltpu.observe.health import format_status, read_health
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", [])
+    groups = SimpleNamespace(keys=lambda: {"trainer-0": ("trainer", 0), "sampler-0": ("sampler", 0)})
+    table = SimpleNamespace(pod_type="v5litepod-4", to_rows=lambda: [])
+    ctl = SimpleNamespace(cfg=cfg, step_idx=10, version=10, run_dir=tmp_path, ray=None,
+                          placement=SimpleNamespace(groups=groups, table=table, emulated=True))
+    sup = Supervisor(ctl)
+    now = __import__("time").time()
+    beat = {"phase": "training", "step": 9, "version": 9, "incarnation": 0, "time": now, "received": now,
+            "phase_since": now, "last_progress": now, "pid": 1}
+    sup.watch = SimpleNamespace(reports={"trainer-0": dict(beat), "sampler-0": dict(beat, phase="syncing")},
+                                fenced={}, lock=__import__("threading").Lock(), stop=lambda: None,
+                                poll=lambda act: None, spans=[])
+    sup.state = "finished"
+    sup.write_health()
+    doc = read_health(tmp_path)
+    text = format_status(doc)
+    assert "training" not in text and "syncing" not in text, text
+    rows = {a["key"]: a for a in doc["actors"]}
+    assert rows["trainer-0"]["phase"] == "exited" and rows["trainer-0"]["step"] == 10
+
+
+# -- the reward function ----------------------------------------------------------------------------
+def test_an_exception_in_the_reward_function_is_one_line_naming_it():
+    from rltpu.config import ConfigError
+    from rltpu.data.rewards import RewardFunctionError, guard_reward_fn
+
+    def reward(text, example):
+        return float(example["answer"] == text)
+
+    fn = guard_reward_fn(reward, "mymod:reward")
+    assert fn("1", {"answer": "1"}) == 1.0
+    with pytest.raises(RewardFunctionError) as err:
+        fn("12", {"id": 7, "prompt": "x"})
+    msg = str(err.value)
+    assert isinstance(err.value, ConfigError) and "\n" not in msg  # ConfigError: the CLI's one line, exit 2
+    assert msg.startswith("task.reward_fn mymod:reward raised KeyError: 'answer' on example id=7"), msg
+    with pytest.raises(RewardFunctionError, match="raised TypeError"):
+        guard_reward_fn(lambda t, e: None, "m:f")("x", {})
+
+
+# -- dashboard: loopback unless told, Host header checked ---------------------------------------------
+def test_dashboard_refuses_foreign_host_headers_and_remote_binds_need_a_flag(tmp_path):
+    import http.client
+    import subprocess
+
+    from rltpu.observe.dashboard import serve
+
+    (tmp_path / "health.json").write_text("{}")
+    server = serve(tmp_path, "127.0.0.1", 0)
+    port = server.server_address[1]
+    try:
+        def get(host):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            c.request("GET", "/health.json", headers={"Host": host})
+            return c.getresponse().status
+
+        assert get(f"127.0.0.1:{port}") == 200 and get(f"localhost:{port}") == 200
+        assert get("evil.example.com") == 403 and get(f"attacker.test:{port}") == 403
+    finally:
+        server.shutdown()
+        server.server_close()
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "rltpu.cli", "dashboard", str(tmp_path), "--host", "0.0.0.0"],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allow-remote" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_remote_binds_in_the_config_need_allow_remote():
+    from rltpu.config import ConfigError, load_config
+
+    q = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    for key in ("dashboard.host=0.0.0.0", "cluster.bind_host=10.1.2.3"):
+        with pytest.raises(ConfigError, match="allow_remote=true"):
+            load_config(q, [key])
+        section = key.split(".")[0]
+        assert load_config(q, [key, f"{section}.allow_remote=true"])

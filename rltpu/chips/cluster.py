@@ -10,19 +10,82 @@ this machine (``ray.cluster_utils.Cluster``: a head plus worker nodes joined to 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 from rltpu.chips.topology import ChipTable, emulated_node_spec
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# defaults only: a user's own setting wins. RAY_AUTH_MODE is never set to "disabled" here (see ray_auth).
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+TOKEN_FILE = "ray_auth_token"  # in the run dir, mode 0600
+
+
+def user_has_token() -> bool:
+    """A Ray token the user already provides: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or bool(path and os.path.exists(path)) or \
+        os.path.exists(os.path.expanduser("~/.ray/auth_token"))
+
+
+def ray_auth(run_dir, joining: bool) -> str:
+    """Ray token authentication (Ray >= 2.52: ``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN[_PATH]``).
+
+    * ``RAY_AUTH_MODE`` set by the user: kept as it is, whatever it says.
+    * An embedded cluster: token mode. The user's token (env or Ray's default ``~/.ray/auth_token``)
+      if there is one, else a fresh random token in ``<run_dir>/ray_auth_token`` (0600, reused by a
+      resume), named by ``RAY_AUTH_TOKEN_PATH``. Ray's processes and our actors inherit both, so
+      only holders of the token can join the cluster or submit work to it.
+    * ``--address``: token mode when the user has a token (as Ray itself does for a local
+      cluster), so a token-protected cluster can be joined; else Ray's default (no token sent).
+    Returns the mode in effect.
+    """
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode
+    if joining:
+        if not user_has_token():
+            return "unset"
+    elif not user_has_token():
+        import secrets
+        from pathlib import Path
+
+        path = Path(run_dir) / TOKEN_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        os.chmod(path, 0o600)
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path.resolve())
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:  # Ray caches its config and token at import: make this process see the new settings
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return "token"
+
+
+def _loopback(host: str) -> bool:
+    from rltpu.config import is_loopback
+
+    return is_loopback(host)
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot host the requested actors (too few chips); raised before any actor starts."""
 
 
-def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str | None) -> dict:
-    os.environ.update(RAY_ENV)
+def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str | None, run_dir=None) -> dict:
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    auth = ray_auth(run_dir or tempfile.mkdtemp(prefix="rltpu-auth-"), joining=bool(address))
+    if cluster_cfg.bind_host and not _loopback(cluster_cfg.bind_host) and not address:
+        print(f"rltpu: warning: the embedded Ray cluster binds {cluster_cfg.bind_host} (cluster.allow_remote): "
+              f"reachable from other hosts{'; token auth is ' + auth if auth != 'token' else ', token-protected'}",
+              file=sys.stderr, flush=True)
     import ray
 
     if address:
@@ -51,7 +114,7 @@ def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str
             f"job needs {needed_chips} TPU chips but the Ray cluster has {have}; "
             f"lower placement.sampler_chips/trainer_chips or add TPU hosts"
         )
-    return {"mode": mode, "tpu_chips": have, "nodes": len(ray.nodes())}
+    return {"mode": mode, "tpu_chips": have, "nodes": len(ray.nodes()), "auth": auth}
 
 
 _EMULATED = None  # the ray.cluster_utils.Cluster of this process's emulated hosts, if any

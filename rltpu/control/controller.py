@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -37,14 +38,15 @@ from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                                  score, split_by_rank, split_prompts, train_layout)
 from rltpu.control.checkpoints import Checkpoints
+from rltpu.control.interrupts import INTERRUPTS
 from rltpu.control.placement import Placement
 from rltpu.control.records import StepTimes, step_record
 from rltpu.control.rollouts import PromptDraws, Rollout, RolloutQueue
 from rltpu.control.supervisor import Supervisor
 from rltpu.control.weights import WeightSync
-from rltpu.data.rewards import load_reward_fn
+from rltpu.data.rewards import RewardFunctionError, guard_reward_fn, load_reward_fn
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
-from rltpu.observe.health import HealthError
+from rltpu.observe.health import HealthError, bounded_get
 from rltpu.observe.ledger import Ledger
 from rltpu.observe.loggers import build_loggers, check_loggers
 from rltpu.sync.collective import param_spec
@@ -63,7 +65,8 @@ class Controller:
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
         self.placement.cfg = cfg
         self.vocab = resolve_vocab(cfg, self.tokenizer)
-        self.reward_fn = load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
+        # an exception in the user's function stops the run with one line naming it
+        self.reward_fn = guard_reward_fn(load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs), cfg.task.reward_fn)
         self.data = build_dataset(cfg, self.tokenizer)
         if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
             st = self.data.check_lengths(self.tokenizer, cfg.sampler)
@@ -81,6 +84,12 @@ class Controller:
         self.draws = PromptDraws(self.data, Ledger(self.run_dir / "ledger.jsonl"))
         self.rollouts = RolloutQueue()  # async mode only
         self.interrupted_record: dict | None = None  # the metrics of a step interrupted after its update
+        self.started = False  # start-up finished: the trainers hold the state this controller knows
+        self.writer = None
+        self.steps_run = 0  # steps this process ran (metrics.jsonl has every one; memory keeps a window)
+        self.recent: deque[dict] = deque(maxlen=max(cfg.trainer.target_window, 5))
+        self._data_before: dict | None = None  # the data cursor before the current step drew
+        self.handle_signals = False  # the CLI sets it: SIGINT/SIGTERM -> KeyboardInterrupt (INTERRUPTS)
         self.ray = None
         self.weights: WeightSync | None = None
         self.checkpoints: Checkpoints | None = None
@@ -107,26 +116,29 @@ class Controller:
         save_config(self.cfg, self.run_dir / "config.yaml")
         p = self.placement
         ray = self.ray = p.start_cluster(self.address)
+        self._restore_sigterm()
         p.spawn_all()
         p.claim_all()
         g = p.groups
-        self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated)
+        d = self.cfg.health.deadlines
+        self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated, d)
         self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir)
         self.supervisor.start()
         n_t = len(g.trainers)
         members = g.trainers if self.colocated else g.trainers + g.samplers
-        master, port = ray.get(g.trainers[0].rendezvous.remote())
+        master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
         args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
-        ray.get([a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)])
+        bounded_get(ray, [a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)], "rendezvous", d,
+                    "the process groups")
         builds = self.build_trainers()
-        rm_vocab = ray.get([r.build.remote() for r in g.rewarders])
+        rm_vocab = bounded_get(ray, [r.build.remote() for r in g.rewarders], "loading", d, "the reward models")
         if rm_vocab and min(rm_vocab) < self.vocab:
             raise ConfigError(f"reward_model {self.cfg.reward_model.path} has vocab_size {min(rm_vocab)} < the "
                               f"policy's {self.vocab}; the reward model must share the policy's tokenizer")
         t_compile = time.perf_counter()
         compiles = builds if self.colocated else self.build_samplers(range(len(g.samplers)))
-        ray.get(builds)
-        self.compile_log = ray.get(compiles)
+        bounded_get(ray, builds, "loading", d, "the trainer engines")
+        self.compile_log = bounded_get(ray, compiles, "compiling", d, "the sampler programs")
         self._report_compiling(time.perf_counter() - t_compile)
         if self.resume:
             self._load_checkpoint(required=True)
@@ -134,9 +146,19 @@ class Controller:
         self.weights.push(self.version)
         extra = {"compile_log": self.compile_log, "compiling": self.compile_summary}
         if self.colocated:  # both roles resident in one process: what each process holds, measured
-            extra["memory"] = ray.get([t.memory.remote() for t in g.trainers])
-        p.write(self.run_dir / "placement.json", extra)
+            extra["memory"] = bounded_get(ray, [t.memory.remote() for t in g.trainers], "probe", d, "memory reports")
+        try:
+            p.write(self.run_dir / "placement.json", extra)
+        except OSError as err:  # a debug file: its failure is a warning, not the end of the job
+            print(f"rltpu: warning: could not write placement.json ({err.strerror or err})", file=sys.stderr)
+        self.started = True
         self.supervisor.state = "running"
+
+    def _restore_sigterm(self) -> None:
+        """``ray.init`` installs its own SIGTERM handler (sys.exit); put ours back, so a SIGTERM from
+        here on takes the one interrupt path (checkpoint, exit 143)."""
+        if self.handle_signals:
+            INTERRUPTS.install()
 
     def _cache_dir(self) -> str | None:
         return str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
@@ -321,29 +343,37 @@ class Controller:
                                   lam=cfg.critic.gae_lambda if cfg.critic else 1.0)
         t1 = time.perf_counter()
         parts = split_by_rank(batch, len(trainers))
-        refs = [t.train_step.remote(b) for t, b in zip(trainers, parts)]
-        self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
-        self.draws.commit(self.step_idx, self.version, int(np.min(gen["versions"])))
+        with INTERRUPTS.deferred():  # the batch reaching the trainers, the step count and the ledger line: all or none
+            refs = [t.train_step.remote(b) for t, b in zip(trainers, parts)]
+            self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
+            self.draws.commit(self.step_idx, self.version, int(np.min(gen["versions"])))
         self.rollouts.current = None
-        stats = sync = None
+        stats = sync = probe = None
+        train_s = 0.0
         try:
             stats = ray.get(refs)
             train_s = time.perf_counter() - t1
             self.version += 1
             self.phase = "sync"
             sync = self._sync_healing(self.version)  # a dead sampler is replaced and re-joined
+            if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0:
+                self.phase = "probe"
+                probe = self.weights.probe(self.probe)
         except KeyboardInterrupt:
             # the update lands anyway (the final checkpoint queues behind it on the trainers): count
-            # it and log the step, without sync figures, so metrics and checkpoint agree on the step
+            # it and log the step with the figures it has (sync/probe may be missing), so metrics
+            # and checkpoint agree on the step
             if stats is None:
                 stats = ray.get(refs)
                 train_s = time.perf_counter() - t1
                 self.version += 1
-            self.interrupted_record = self._record(gen, rewards, outs, ds, batch, kl, stats, None, None,
-                                                   StepTimes(t_step, sample_s, train_s))
+            try:
+                self.interrupted_record = self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe,
+                                                       StepTimes(t_step, sample_s, train_s))
+            except Exception as err:  # noqa: BLE001 - the checkpoint matters more than this line
+                print(f"rltpu: warning: no metrics line for interrupted step {self.step_idx} ({err})",
+                      file=sys.stderr)
             raise
-        probe = self.weights.probe(self.probe) \
-            if cfg.sync.verify_every and self.step_idx % cfg.sync.verify_every == 0 else None
         return self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe, StepTimes(t_step, sample_s, train_s))
 
     def _sync_healing(self, version: int) -> dict:
@@ -435,46 +465,80 @@ class Controller:
         return False
 
     def run(self) -> list[dict]:
+        """The step loop; returns the newest records (a window: metrics.jsonl holds every step).
+        An interrupt propagates; the caller then runs ``stop_on_interrupt``."""
         cfg = self.cfg
-        writer = build_loggers(cfg, self.run_dir, cfg.trainer.steps - self.step_idx)
-        records, data_before = [], self.data.state_dict()
-        try:
-            while (self.step_idx < cfg.trainer.steps and not self._reached_target(records)) \
-                    or not self._saved_final():  # a failed final save rewinds
-                data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
-                self.draws.pending = []
-                try:
-                    rec = self.step()
-                    self.phase = "idle"
-                    records.append(rec)
-                    writer.write(rec)
-                    if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
-                        self.phase = "checkpoint"
-                        self.save_checkpoint()
-                        self.phase = "idle"
-                except (HealthError, KeyboardInterrupt):
-                    raise
-                except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
-                    self.phase = "idle"
-                    if self.staleness:  # async: every untrained rollout is redrawn after the recovery
-                        data_before, step_before = self.rollouts.drop(self.data), self.step_idx
-                    self.supervisor.recover(err, data_before, step_before)
-                self.supervisor.write_trace()
-        except KeyboardInterrupt:
-            # checkpoint what the trainer really holds: if the interrupted step never reached the
-            # trainer, its prompts go back to the data cursor so a resume samples them again
-            if self.interrupted_record is not None:  # the step whose update landed mid-interrupt
-                writer.write(self.interrupted_record)
-            writer.close()
-            print(f"\nrltpu: interrupted at step {self.step_idx}; saving checkpoint", flush=True)
+        self.writer = build_loggers(cfg, self.run_dir, cfg.trainer.steps - self.step_idx)
+        records = self.recent
+        self._data_before = self.data.state_dict()
+        while (self.step_idx < cfg.trainer.steps and not self._reached_target(list(records))) \
+                or not self._saved_final():  # a failed final save rewinds
+            self._data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
+            data_before = self._data_before
+            self.draws.pending = []
             try:
-                self.save_checkpoint(self._untrained_data_state() if self.staleness else
-                                     data_before if self.phase == "sample" else self.data.state_dict())
-            except Exception as err:  # noqa: BLE001 - report and keep the previous checkpoint
-                print(f"rltpu: could not write the final checkpoint ({err}); the previous one is kept")
-            raise
-        writer.close()
-        return records
+                rec = self.step()
+                self.phase = "idle"
+                records.append(rec)
+                self.steps_run += 1
+                self.writer.write(rec)
+                if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
+                    self.phase = "checkpoint"
+                    self.save_checkpoint()
+                    self.phase = "idle"
+            except (HealthError, KeyboardInterrupt, RewardFunctionError):
+                raise
+            except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
+                self.phase = "idle"
+                if self.staleness:  # async: every untrained rollout is redrawn after the recovery
+                    data_before, step_before = self.rollouts.drop(self.data), self.step_idx
+                self.supervisor.recover(err, data_before, step_before)
+            self.supervisor.maybe_write_trace()  # throttled; a failed write is a warning
+        self.writer.close()
+        return list(records)
+
+    def stop_on_interrupt(self) -> str:
+        """The one interrupt path (SIGINT or SIGTERM, any phase, progress display on or off): save a
+        checkpoint of what the trainers really hold, log an interrupted step's line, close the
+        loggers. Each part is guarded, so a failure in one (a display, a full disk) never skips the
+        checkpoint. Returns the rest of the one line the CLI prints."""
+        if not self.started or self.checkpoints is None:
+            self._close_writer()
+            kept = any((self.run_dir / d / "trainer_state.json").exists() for d in ("checkpoint", "checkpoint.prev"))
+            return (f"during start-up ({self.phase if self.ray else 'before Ray'}); nothing trained in this run"
+                    + (f"; the checkpoint in {self.run_dir} is kept (--resume)" if kept else
+                       f"; run again (--resume also starts from step 0 here)"))
+        phase = self.phase
+        saved = None
+        try:
+            # the cursor: if the interrupted step never reached the trainers its prompts go back, so
+            # a resume samples them again (async: before every untrained rollout)
+            data_state = (self._untrained_data_state() if self.staleness else
+                          self._data_before if phase == "sample" and self._data_before is not None
+                          else self.data.state_dict())
+            self.phase = "checkpoint"
+            self.save_checkpoint(data_state)
+            saved = self.step_idx
+        except Exception as err:  # noqa: BLE001 - report and keep the previous checkpoint
+            why = f"could not write the checkpoint ({type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}); the previous one is kept"
+        if self.interrupted_record is not None:  # the step whose update landed mid-interrupt
+            try:
+                self.writer.write(self.interrupted_record) if self.writer else None
+            except Exception:  # noqa: BLE001
+                pass
+            self.interrupted_record = None
+        self._close_writer()
+        if saved is None:
+            return f"at step {self.step_idx} (in {phase}); {why}"
+        return f"at step {saved} (in {phase}); checkpoint in {self.run_dir / 'checkpoint'} (continue with --resume)"
+
+    def _close_writer(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception:  # noqa: BLE001 - a logger's close must not cost the checkpoint's line
+                pass
+            self.writer = None
 
     def shutdown(self, state: str = "finished") -> None:
         self.supervisor.stop(state)

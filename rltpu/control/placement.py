@@ -14,12 +14,15 @@ from pathlib import Path
 from rltpu.chips.cluster import PlacementError, start_or_join
 from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint
 from rltpu.config import RunConfig
+from rltpu.observe.health import bounded_get
 
 
 def actor_env(cfg: RunConfig) -> dict[str, str]:
     """Env fixed at process start. JAX_PLATFORMS and libtpu's vars are set later by ``claim``
     (``rltpu.chips.backend``), before the engine imports JAX."""
-    return {"OMP_NUM_THREADS": str(cfg.backend.threads), "RAY_AUTH_MODE": "disabled",
+    # no RAY_AUTH_MODE here: workers inherit the cluster's own auth settings (a token-protected
+    # cluster's workers must keep token mode)
+    return {"OMP_NUM_THREADS": str(cfg.backend.threads),
             # no device backend at ``import torch``: a real chip's process imports torch_tpu itself
             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
@@ -89,7 +92,7 @@ class Placement:
     def start_cluster(self, address: str | None):
         """Start an embedded Ray with the chips emulated, or join ``address``; returns ``ray``."""
         needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
-        self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address)
+        self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address, self.cfg.resolved_run_dir)
         import ray
 
         self.ray = ray
@@ -200,7 +203,8 @@ class Placement:
         """Every actor proves which chips Ray gave it; they must be the planned ones, held by no other."""
         ray = self.ray
         actors = self.groups.processes()
-        idents = ray.get([a.identity.remote() for a in actors])
+        d = self.cfg.health.deadlines
+        idents = bounded_get(ray, [a.identity.remote() for a in actors], "identity", d, "the actors' identity reports")
         if self.cfg.cluster.emulated is None:
             self.emulated = not all(i["tpu_present"] for i in idents)
         got = [self.chips_for(i) for i in idents]
@@ -211,9 +215,10 @@ class Placement:
                     f"{[c.global_id for c in planned]}; another job may hold chips on this host"
                 )
         self.launch_envs = self._launch_envs(got, idents) if not self.emulated else None
-        self.reports = ray.get([a.claim.remote(c, i, self.emulated, *self._launch_arg(Role.TRAINER, k))
-                                if k < len(self.groups.trainers) else a.claim.remote(c, i, self.emulated)
-                                for k, (a, c, i) in enumerate(zip(actors, got, idents))])
+        self.reports = bounded_get(ray, [a.claim.remote(c, i, self.emulated, *self._launch_arg(Role.TRAINER, k))
+                                         if k < len(self.groups.trainers) else a.claim.remote(c, i, self.emulated)
+                                         for k, (a, c, i) in enumerate(zip(actors, got, idents))],
+                                   "claim", d, "the actors' chip claims")
         check_disjoint(self.reports)  # from the actors' own reports: no chip held by two processes
 
     def _launch_envs(self, got: list, idents: list) -> list[dict[str, str]]:
@@ -240,13 +245,15 @@ class Placement:
         except Exception:  # noqa: BLE001 - already gone
             pass
         new = self.new_actor(role, rank, incarnation)
-        ident = ray.get(new.identity.remote(), timeout=300)
+        d = self.cfg.health.deadlines
+        ident = bounded_get(ray, new.identity.remote(), "identity", d, f"{key}'s replacement identity")
         chips = self.chips_for(ident)
         planned = self.bundles[(role, rank)][1]
         if [c.global_id for c in chips] != [c.global_id for c in planned]:
             raise HealthError(f"replacement for {key} got chips {[c.global_id for c in chips]}, not its own "
                               f"{[c.global_id for c in planned]}; another job took them")
-        report = ray.get(new.claim.remote(chips, ident, self.emulated, *self._launch_arg(role, rank)))
+        report = bounded_get(ray, new.claim.remote(chips, ident, self.emulated, *self._launch_arg(role, rank)),
+                             "claim", d, f"{key}'s replacement claim")
         self.groups.group(role)[rank] = new
         self.reports = [report if (r["group"], r["rank"]) == (role.value, rank) else r for r in self.reports]
         return new

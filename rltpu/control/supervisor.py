@@ -22,11 +22,12 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
+from collections import deque
 
 from rltpu.chips.topology import Role
-from rltpu.observe.health import HealthError, HealthMonitor, Watchdog, actor_rows, trace_events, write_health, write_trace
+from rltpu.observe.health import (HealthError, HealthMonitor, Watchdog, actor_rows, bounded_get, trace_events,
+                                  write_health, write_trace)
 
 
 class TrainerGroupFailed(RuntimeError):
@@ -45,11 +46,13 @@ class Supervisor:
         self.monitor = self.watch = self.dashboard = None
         self.restarts: dict[str, int] = {}
         self.incarnation: dict[str, int] = {}
-        self.events: list[dict] = []
+        hc = self.cfg.health  # bounded history: health.json/trace.json on disk are the record
+        self.events: deque[dict] = deque(maxlen=hc.max_events)
         self.state = "starting"
         self.error: str | None = None
         self.t0 = time.time()
-        self.spans: list[dict] = []  # the controller's own phases (trace.json's controller track)
+        self.spans: deque[dict] = deque(maxlen=max(hc.trace_max_spans // 4, 1))  # the controller's own phases
+        self._trace_written = 0.0
         self._phase, self._phase_since = "idle", time.time()
 
     @property
@@ -76,10 +79,6 @@ class Supervisor:
         """The monitor actor (no CPU, no chips), every actor's heartbeat thread, the watchdog, the
         dashboard."""
         ray, hc = self.ctl.ray, self.cfg.health
-        on_sigterm = getattr(self.ctl, "on_sigterm", None)
-        if on_sigterm and threading.current_thread() is threading.main_thread():
-            # ray.init replaces SIGTERM's handler (sys.exit): put the CLI's back (stop + checkpoint)
-            signal.signal(signal.SIGTERM, on_sigterm)
         if hc.enabled:
             self.monitor = ray.remote(HealthMonitor).options(
                 name=f"rltpu-health-{os.getpid()}", num_cpus=0, max_concurrency=4).remote()
@@ -110,18 +109,41 @@ class Supervisor:
                "heartbeat_timeout_s": cfg.health.heartbeat_timeout_s,
                "stale_after_s": max(30.0, 10 * cfg.health.poll_s),
                "chips": table.to_rows(),
-               "actors": actor_rows(reports, list(self.groups.keys()), self.restarts, fenced, now),
-               "restarts": dict(self.restarts), "events": self.events[-200:],
+               "actors": self._rows(reports, fenced, now),
+               "restarts": dict(self.restarts), "events": list(self.events),
                "deadlines": cfg.health.deadlines.model_dump(), "max_restarts": cfg.health.max_restarts}
         write_health(ctl.run_dir / "health.json", doc)
+
+    def _rows(self, reports: dict, fenced: dict, now: float) -> list[dict]:
+        rows = actor_rows(reports, list(self.groups.keys()), self.restarts, fenced, now)
+        if self.state in ("finished", "stopped", "failed"):
+            # the job is over: the last heartbeat (up to heartbeat_s old) may still say "training" at an
+            # earlier step; no actor works any more, and a trainer holds the job's final version
+            for row in rows:
+                row["phase"] = "exited"
+                if row["group"] == "trainer" and self.state == "finished":
+                    row["step"] = row["version"] = self.ctl.version
+        return rows
 
     def write_trace(self) -> None:
         if self.watch is not None:
             with self.watch.lock:
-                spans = list(self.watch.spans[-20000:])
+                spans = list(self.watch.spans)
         else:
             spans = []
-        write_trace(self.ctl.run_dir / "trace.json", trace_events(spans, self.spans[-5000:], self.t0))
+        self._trace_written = time.monotonic()
+        write_trace(self.ctl.run_dir / "trace.json", trace_events(spans, list(self.spans), self.t0))
+
+    def maybe_write_trace(self) -> None:
+        """Between steps: trace.json at most every ``health.trace_every_s``; a failed write (full disk,
+        read-only dir) is one warning line, never the end of the job: it is a debug file."""
+        if time.monotonic() - self._trace_written < self.cfg.health.trace_every_s:
+            return
+        try:
+            self.write_trace()
+        except OSError as err:
+            print(f"rltpu: warning: could not write trace.json ({err.strerror or err}); training goes on",
+                  file=sys.stderr, flush=True)
 
     # -- fencing --------------------------------------------------------------------------------
     def fence(self, key: str, why: str, incarnation: int | None = None) -> None:
@@ -200,7 +222,7 @@ class Supervisor:
         inc = self.incarnation.get(key, 0) + 1
         self.incarnation[key] = inc
         if self.monitor is not None:
-            self.ctl.ray.get(self.monitor.expect.remote(key, inc))
+            self.ctl.ray.get(self.monitor.expect.remote(key, inc), timeout=30)
         new = self.ctl.placement.replace(role, rank, inc)
         if self.monitor is not None:
             new.start_heartbeat.remote(self.monitor, self.cfg.health.heartbeat_s, inc)
@@ -218,8 +240,9 @@ class Supervisor:
             self._respawn(key)
         ranks = {role: [r for k, (role_k, r) in self.groups.keys().items() if k in failed and role_k == role]
                  for role in (Role.SAMPLER, Role.REWARD)}
-        self.ctl.ray.get(self.ctl.build_samplers(ranks[Role.SAMPLER])
-                         + [self.groups.rewarders[r].build.remote() for r in ranks[Role.REWARD]])
+        bounded_get(self.ctl.ray, self.ctl.build_samplers(ranks[Role.SAMPLER])
+                    + [self.groups.rewarders[r].build.remote() for r in ranks[Role.REWARD]], "compiling",
+                    self.cfg.health.deadlines, f"rebuilding {', '.join(failed)}")
         for key in failed:
             self.event(key, "replaced", f"new process on the same chips in {time.time() - t0:.1f}s")
 
@@ -269,10 +292,12 @@ class Supervisor:
         trainers = self.groups.trainers
         for r in range(len(trainers)):
             self._respawn(f"trainer-{r}")
-        master, port = ray.get(trainers[0].rendezvous.remote())
-        ray.get([t.init_process_groups.remote(master, port, len(trainers), r, len(trainers), self.cfg.sync.timeout_s)
-                 for r, t in enumerate(trainers)])
-        ray.get(ctl.build_trainers())
+        d = self.cfg.health.deadlines
+        master, port = bounded_get(ray, trainers[0].rendezvous.remote(), "rendezvous", d, "the new trainer 0's address")
+        bounded_get(ray, [t.init_process_groups.remote(master, port, len(trainers), r, len(trainers),
+                                                       self.cfg.sync.timeout_s) for r, t in enumerate(trainers)],
+                    "rendezvous", d, "the new trainer group's process groups")
+        bounded_get(ray, ctl.build_trainers(), "loading", d, "rebuilding the trainer engines")
         others = {k: w for k, w in failed.items() if not k.startswith("trainer-")}
         if others:
             self._replace(others)

@@ -18,12 +18,22 @@ from rltpu.sync.collective import WeightSyncError
 
 
 class WeightSync:
-    def __init__(self, ray, groups: ActorGroups, roles: dict, spec, timeout_s: float, colocated: bool):
+    def __init__(self, ray, groups: ActorGroups, roles: dict, spec, timeout_s: float, colocated: bool,
+                 deadlines=None):
+        """``deadlines``: ``health.deadlines``; rendezvous, join_sync and probe calls wait at most their entry."""
         self.ray, self.groups, self.roles, self.spec = ray, groups, roles, spec
         self.timeout_s, self.colocated = timeout_s, colocated
+        self.deadlines = deadlines
         self.store: tuple[str, int] | None = None  # trainer 0's TCPStore (host, port)
         self.generation = 0
         self.sampler_versions: list[int] = []
+
+    def _get(self, refs, phase: str, what: str):
+        if self.deadlines is None:
+            return self.ray.get(refs)
+        from rltpu.observe.health import bounded_get
+
+        return bounded_get(self.ray, refs, phase, self.deadlines, what)
 
     def forget_store(self) -> None:
         """The store lived in trainer 0: after the trainer group restarts, rendezvous afresh."""
@@ -34,7 +44,7 @@ class WeightSync:
         by slice). Called at start and after a failed sync, once dead samplers were replaced."""
         g = self.groups
         if self.store is None:
-            self.store = self.ray.get(g.trainers[0].rendezvous.remote())
+            self.store = self._get(g.trainers[0].rendezvous.remote(), "rendezvous", "trainer 0's sync store")
             self.generation = 0
             self.sampler_versions = [-1] * len(g.samplers)
         if self.colocated:  # weights pass in-process: no sync fabric to build
@@ -43,7 +53,8 @@ class WeightSync:
         t_sl = [chips[0].slice for chips in self.roles[Role.TRAINER]]
         s_sl = [chips[0].slice for chips in self.roles[Role.SAMPLER]]
         args = lambda p: (*self.store, self.generation, p, t_sl, s_sl, self.timeout_s)  # noqa: E731
-        self.ray.get([a.join_sync.remote(*args(p)) for p, a in enumerate(g.trainers + g.samplers)])
+        self._get([a.join_sync.remote(*args(p)) for p, a in enumerate(g.trainers + g.samplers)], "join_sync",
+                  f"weight-sync generation {self.generation}")
 
     def push(self, version: int) -> dict:
         """Weights of ``version`` to every sampler; seconds, bytes and the route each byte took."""
@@ -96,8 +107,8 @@ class WeightSync:
     def probe(self, batch: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
         """Max |logit diff| between trainer and every sampler on ``batch`` (catches sync bugs)."""
         g = self.groups
-        t_logits = self.ray.get([t.probe_logits.remote(*batch) for t in g.trainers])[0]
-        s_logits = self.ray.get([s.sampler_probe_logits.remote(*batch) if self.colocated else
-                                 s.probe_logits.remote(*batch) for s in g.samplers])
+        t_logits = self._get([t.probe_logits.remote(*batch) for t in g.trainers], "probe", "the trainers' probe")[0]
+        s_logits = self._get([s.sampler_probe_logits.remote(*batch) if self.colocated else
+                              s.probe_logits.remote(*batch) for s in g.samplers], "probe", "the samplers' probe")
         mask = batch[2].astype(bool)
         return float(max(np.abs(s[mask] - t_logits[mask]).max() for s in s_logits))

@@ -166,10 +166,38 @@ def prometheus(run_dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def allowed_hosts(bind_host: str) -> frozenset[str]:
+    """Host header names a request may carry (without port): loopback names, the bind address, and
+    with a non-loopback bind this machine's own names and addresses. Anything else is a page of
+    another site (DNS rebinding) or a proxy we were not told about: 403."""
+    import socket
+
+    names = {"localhost", "127.0.0.1", "::1", bind_host}
+    if bind_host not in ("127.0.0.1", "localhost", "::1"):
+        names |= {socket.gethostname(), socket.getfqdn()}
+        try:
+            names |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+        except OSError:
+            pass
+    return frozenset(n.lower() for n in names if n)
+
+
+def host_of(header: str | None) -> str:
+    """``Host`` header -> name without port (``[::1]:80`` -> ``::1``)."""
+    h = (header or "").strip().lower()
+    if h.startswith("["):
+        return h[1:h.index("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
 class _Handler(BaseHTTPRequestHandler):
     run_dir: Path
+    hosts: frozenset = frozenset()
 
     def do_GET(self):  # noqa: N802 - http.server's name
+        if host_of(self.headers.get("Host")) not in self.hosts:
+            self.send_error(403, "foreign Host header (the dashboard answers only to this machine's names)")
+            return
         path = self.path.split("?")[0]
         if path in ("/", "/index.html"):
             body, ctype = page(self.run_dir).encode(), "text/html; charset=utf-8"
@@ -192,9 +220,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(run_dir, host: str = "127.0.0.1", port: int = 8266) -> ThreadingHTTPServer:
-    """Start serving ``run_dir`` in a daemon thread; ``.shutdown()`` stops it, ``.thread`` is it."""
-    handler = type("Handler", (_Handler,), {"run_dir": Path(run_dir)})
+    """Start serving ``run_dir`` in a daemon thread; ``.shutdown()`` stops it, ``.thread`` is it.
+    Callers pass a non-loopback ``host`` only on an explicit flag (``--allow-remote``,
+    ``dashboard.allow_remote``); serving one prints a warning."""
+    import sys
+
+    from rltpu.config import is_loopback
+
+    handler = type("Handler", (_Handler,), {"run_dir": Path(run_dir), "hosts": allowed_hosts(host)})
     server = ThreadingHTTPServer((host, port), handler)
+    if not is_loopback(host):
+        print(f"rltpu: warning: the dashboard listens on {host}:{server.server_address[1]}, reachable from other "
+              f"hosts; it has no authentication", file=sys.stderr, flush=True)
     server.daemon_threads = True
     server.thread = threading.Thread(target=server.serve_forever, name="rltpu-dashboard", daemon=True)
     server.thread.start()

@@ -23,15 +23,33 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
-PHASES = ("compiling", "idle", "sampling", "training", "syncing", "checkpointing", "scoring", "loading")
+PHASES = ("compiling", "idle", "sampling", "training", "syncing", "checkpointing", "scoring", "loading",
+          "identity", "claim", "rendezvous", "join_sync", "probe")
 HEALTHY_STATES = ("ok", "restarted")
 
 
 class HealthError(RuntimeError):
     """An actor failed more often than ``health.max_restarts`` allows: the job stops."""
+
+
+class PhaseTimeout(RuntimeError):
+    """A remote call of a start-up or supervision phase missed its ``health.deadlines`` entry."""
+
+
+def bounded_get(ray, refs, phase: str, deadlines, what: str):
+    """``ray.get(refs)`` that waits at most ``health.deadlines.<phase>`` seconds: a hang in start-up
+    or supervision (no heartbeat deadline covers a call the driver itself waits on) becomes a
+    ``PhaseTimeout`` naming the phase and the setting, never an endless wait."""
+    limit = float(getattr(deadlines, phase))
+    try:
+        return ray.get(refs, timeout=limit)
+    except ray.exceptions.GetTimeoutError:
+        raise PhaseTimeout(f"{what} did not finish within health.deadlines.{phase}={limit:g}s "
+                           f"(raise it for a slow machine)") from None
 
 
 def rss_mb() -> float:
@@ -117,7 +135,7 @@ class HealthMonitor:
     def __init__(self):
         self.reports: dict[str, dict] = {}
         self.incarnations: dict[str, int] = {}
-        self.spans: list[dict] = []
+        self.spans: deque[dict] = deque(maxlen=50_000)  # bounded even if nobody collects them
 
     def beat(self, report: dict) -> None:
         key = f"{report['group']}-{report['rank']}"
@@ -136,7 +154,7 @@ class HealthMonitor:
             del self.reports[key]
 
     def snapshot(self) -> dict:
-        spans, self.spans = self.spans, []
+        spans, self.spans = list(self.spans), deque(maxlen=self.spans.maxlen)
         return {"reports": self.reports, "spans": spans, "time": time.time()}
 
 
@@ -176,7 +194,8 @@ class Watchdog(threading.Thread):
         self.monitor, self.cfg, self.fence, self.write, self.poll_s = monitor, cfg, fence, write, poll_s
         self.deadlines = deadlines_of(cfg)
         self.reports: dict[str, dict] = {}
-        self.spans: list[dict] = []
+        # the newest phase spans only (trace.json); older ones are in earlier trace.json writes
+        self.spans: deque[dict] = deque(maxlen=getattr(cfg, "trace_max_spans", 20_000))
         self.fenced: dict[str, str] = {}  # key -> reason, until the controller replaces it
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,7 +207,7 @@ class Watchdog(threading.Thread):
         snap = ray.get(self.monitor.snapshot.remote(), timeout=30)
         with self.lock:
             self.reports = snap["reports"]
-            self.spans += snap["spans"]
+            self.spans.extend(snap["spans"])
             verdicts = decide(self.reports, time.time(), self.deadlines, self.cfg.heartbeat_timeout_s,
                               skip=set(self.fenced))
         for key, why in verdicts.items() if act else ():

@@ -10,18 +10,23 @@ prompt was skipped (positions are contiguous) and none was replayed (each id onc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from rltpu.observe.jsonl import append_durable, read_jsonl, repair_tail
 
 
 class Ledger:
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._repaired = False
 
     def _append(self, doc: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(doc) + "\n")
-            f.flush()
+        """Commits are fsynced (a step the checkpoint covers is on disk); a torn tail left by a crash
+        is cut off first, so the new line starts clean."""
+        if not self._repaired:
+            repair_tail(self.path)
+            self._repaired = True
+        append_durable(self.path, doc)
 
     def commit(self, step: int, prompts: list[str], version: int, behaviour_version: int | None = None) -> None:
         """``version``: the policy the update starts from; ``behaviour_version``: the (oldest) weights
@@ -38,8 +43,8 @@ class Ledger:
 
 
 def read_ledger(path: Path) -> list[dict]:
-    path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """Every line ([] when missing); a torn last line (a crash mid-append) is reported and dropped."""
+    return read_jsonl(path, "ledger.jsonl")
 
 
 def effective(lines: list[dict]) -> dict[int, list[str]]:
