@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def modes(chips: int) -> dict[str, list[str]]:
     half = [f"placement.sampler_chips={chips // 2}", f"placement.trainer_chips={chips // 2}"]
-    if chips == 2:  # one sampler draws all 64 x 8 rows: a bucket that holds them
-        half.append("sampler.batch_buckets=[512]")
+    if chips == 2:  # one sampler draws all 64 x 16 rows: a bucket that holds them
+        half.append("sampler.batch_buckets=[1024]")
     return {
         "on_policy": half,
         "async_s1": [*half, "placement.staleness=1", "trainer.off_policy_correction=tis"],
