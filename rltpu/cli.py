@@ -62,11 +62,19 @@ def preflight_real_chips(cfg, address: str | None) -> None:
 def cmd_train(args) -> int:
     """One interrupt path: SIGINT or SIGTERM at any point (start-up, sample, train, sync, checkpoint)
     -> ``Controller.stop_on_interrupt`` (checkpoint) -> one line, exit 130 / 143."""
+    import signal
+
     from rltpu.control.interrupts import INTERRUPTS
 
     INTERRUPTS.install()  # before anything slow (imports, config): a signal now is already ours
     try:
         return _train(args, INTERRUPTS)
+    except SystemExit as err:  # a library's SIGTERM handler (sys.exit(15)) got in before ours: still one line
+        if err.code != signal.SIGTERM:
+            raise
+        INTERRUPTS.ignore()
+        print("rltpu: stopped by SIGTERM during start-up", file=sys.stderr, flush=True)
+        return 143
     except KeyboardInterrupt:  # before the controller existed
         INTERRUPTS.ignore()
         print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran", file=sys.stderr,

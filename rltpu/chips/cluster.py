@@ -88,6 +88,50 @@ def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str
               file=sys.stderr, flush=True)
     import ray
 
+    with _keep_sigterm_handler():  # ray.init would install sys.exit(15) for SIGTERM: not our stop path
+        return _start_or_join(ray, cluster_cfg, table, needed_chips, address, auth)
+
+
+def _keep_sigterm_handler():
+    """While Ray starts, keep the caller's SIGTERM handler (the CLI's: checkpoint, exit 143) instead
+    of the ``sys.exit`` one ``ray.init`` installs."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def keep():
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        ours = signal.getsignal(signal.SIGTERM)
+        try:
+            yield
+        finally:
+            if callable(ours):
+                signal.signal(signal.SIGTERM, ours)
+
+    @contextlib.contextmanager
+    def both():
+        try:
+            from ray._private import utils as ray_utils
+        except ImportError:
+            ray_utils = None
+        real = getattr(ray_utils, "set_sigterm_handler", None)
+        ours = signal.getsignal(signal.SIGTERM)
+        if real is not None and callable(ours) and threading.current_thread() is threading.main_thread():
+            ray_utils.set_sigterm_handler = lambda handler: None
+        try:
+            with keep():
+                yield
+        finally:
+            if real is not None:
+                ray_utils.set_sigterm_handler = real
+
+    return both()
+
+
+def _start_or_join(ray, cluster_cfg, table: ChipTable, needed_chips: int, address: str | None, auth: str) -> dict:
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
         mode = "joined"

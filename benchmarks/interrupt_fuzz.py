@@ -1,0 +1,162 @@
+"""Interrupt fuzz (issue 19): SIGTERM and SIGINT at random moments of a quickstart run, progress bar
+on (a real pseudo-terminal, so tqdm draws) and off; every interrupt must end with exit 143/130, one
+``rltpu: stopped by ...`` line and no traceback, a checkpoint that verifies (or, stopped during
+start-up, none needed), and a ``--resume`` to the end whose ledger has no prompt lost or replayed.
+
+    python benchmarks/interrupt_fuzz.py --trials 20 --steps 4            # 20 moments x 2 signals
+    python benchmarks/interrupt_fuzz.py --trials 2 --steps 3 --out f.json  # a reduced run
+
+One JSON document on stdout (and in ``--out``): per trial the signal, progress mode, delay, the
+phase the driver was in (from its stop line), exit codes and what failed; ``clean`` counts.
+SIGTERM goes to the driver only (as ``kill`` or a scheduler sends it); SIGINT to the whole
+process group (as Ctrl-C in a terminal does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pty
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # no libtpu in the harness process
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+ENV = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}  # the product default: token auth
+
+
+def launch(run_dir: Path, steps: int, progress: bool, resume: bool = False):
+    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", f"trainer.steps={steps}",
+           f"progress={'true' if progress else 'false'}", "sync.verify_every=2", "checkpoint.every_steps=2",
+           *(["--resume"] if resume else [])]
+    if progress:  # a pseudo-terminal: the tqdm bar path, carriage returns and all
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                start_new_session=True)
+        os.close(slave)
+        buf = bytearray()
+
+        def drain():
+            while True:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                buf.extend(chunk)
+
+        t = threading.Thread(target=drain, daemon=True)
+        t.start()
+        return proc, lambda: (t.join(timeout=10), os.close(master), buf.decode("utf-8", "replace"))[2]
+    out = open(run_dir.parent / f"{run_dir.name}.{'resume' if resume else 'run'}.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, lambda: (out.seek(0), out.read())[1]
+
+
+def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path) -> dict:
+    run_dir = base / f"t{i}"
+    res = {"trial": i, "signal": signal.Signals(sig).name, "progress": progress, "delay_s": round(delay, 1)}
+    proc, output = launch(run_dir, steps, progress)
+    t0 = time.time()
+    while time.time() - t0 < delay and proc.poll() is None:
+        time.sleep(0.1)
+    if proc.poll() is not None:
+        res["problems"] = [f"run ended (rc {proc.returncode}) before the signal"]
+        return res
+    (os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig))
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = output()
+    res["rc"] = proc.returncode
+    problems = []
+    want = 143 if sig == signal.SIGTERM else 130
+    if proc.returncode != want:
+        problems.append(f"exit {proc.returncode}, want {want}")
+    if "Traceback" in text:
+        problems.append("traceback: " + text[text.index("Traceback"):][:400])
+    stops = [ln.strip() for ln in re.split(r"[\r\n]", text) if "rltpu: stopped by" in ln]
+    if len(stops) != 1:
+        problems.append(f"{len(stops)} stop lines")
+    else:
+        res["line"] = stops[0][stops[0].index("rltpu:"):]
+        m = re.search(r"\(in (\w+)\)|during start-up \((\w[\w ]*)\)|(before anything ran)", stops[0])
+        res["phase"] = next((g for g in (m.groups() if m else ()) if g), "start-up" if "start-up" in stops[0] else "?")
+    from learner.checkpoint import latest_valid, verify_checkpoint
+
+    ckpt = latest_valid(run_dir / "checkpoint")
+    started = "during start-up" not in res.get("line", "") and "before anything ran" not in res.get("line", "")
+    if ckpt is not None:
+        try:
+            res["checkpoint_step"] = int(verify_checkpoint(ckpt)["step"])
+        except Exception as err:  # noqa: BLE001
+            problems.append(f"checkpoint does not verify: {err}")
+    elif started:
+        problems.append("no checkpoint after a started run")
+    proc2, output2 = launch(run_dir, steps, False, resume=True)
+    proc2.wait(timeout=1800)
+    res["resume_rc"] = proc2.returncode
+    if proc2.returncode != 0:
+        problems.append(f"--resume exit {proc2.returncode}: {output2()[-600:]}")
+    from rltpu.observe.ledger import check, read_ledger
+
+    ledger_problems = check(read_ledger(run_dir / "ledger.jsonl"), steps, 64)
+    if ledger_problems:
+        problems.append(f"ledger: {ledger_problems}")
+    res["problems"] = problems
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=20, help="moments per signal (each: progress on and off alternate)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--max-delay", type=float, default=None, help="latest moment (s); default: a measured run's length")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    base = Path(tempfile.mkdtemp(prefix="rltpu-fuzz-"))
+    t0 = time.time()
+    max_delay = args.max_delay
+    if max_delay is None:  # one uninterrupted run sets the window: start-up to the last step
+        proc, _ = launch(base / "reference", args.steps, False)
+        proc.wait(timeout=1800)
+        max_delay = time.time() - t0
+    plan = [(sig, k % 2 == 0) for k in range(args.trials) for sig in (signal.SIGTERM, signal.SIGINT)]
+    results = []
+    for i, (sig, progress) in enumerate(plan):
+        results.append(trial(i, sig, progress, rng.uniform(1.0, max_delay), args.steps, base))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    clean = sum(not r["problems"] for r in results)
+    doc = {"trials": len(results), "clean": clean, "steps": args.steps, "max_delay_s": round(max_delay, 1),
+           "phases": sorted({r.get("phase", "?") for r in results}), "wall_s": round(time.time() - t0, 1),
+           "results": results}
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    return 0 if clean == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
