@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     from rltpu.control.batch import split_by_rank
+    from rltpu.models.spec import param_shapes
 
     fpt = model_flops_per_token(MCFG, args.len)
     ncpu = len(os.sched_getaffinity(0))
@@ -157,7 +158,7 @@ def main() -> None:
     peak_rank = statistics.median(res[r]["gemm_gflops"] for r in res)
     rank_gflops = fpt * args.rows * args.len / s_fsdp / 1e9
     doc = {
-        "model": {"params": sum(int(np.prod(s)) for s in __import__("rltpu.models", fromlist=["x"]).param_shapes(MCFG, V).values()),
+        "model": {"params": sum(int(np.prod(s)) for s in param_shapes(MCFG, V).values()),
                   "hidden": MCFG.hidden_size, "layers": MCFG.num_hidden_layers, "vocab": V},
         "workload": {"rows_per_rank": args.rows, "len": args.len, "ranks": args.ranks, "steps": args.steps,
                      "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision, "ac": args.ac},
