@@ -8,7 +8,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test browser bench-sampler clean
+.PHONY: setup demo test browser bench bench-sampler clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ browser:
 	  { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1; } || \
 	  echo "make: could not install chromium; the HTML report test will be skipped"; \
 	else echo "make: no chromium and no apt-get as root; the HTML report test will be skipped"; fi
+
+# every figure README quotes, measured again: benchmarks/results/<machine>-<date>.json
+# (ONLY=quickstart,plan for a subset; then `$(PY) benchmarks/all.py --readme` rewrites README's figure blocks)
+bench: setup
+	$(PY) benchmarks/all.py $(if $(ONLY),--only $(ONLY))
 
 # rltpu's sampler vs Hugging Face generate on the same weights (one JSON document on stdout)
 bench-sampler: setup
