@@ -38,14 +38,14 @@ def steps_done(run_dir) -> int:
     return len(read_metrics(m)) if m.exists() else 0
 
 
-def wait_for(pred, proc, timeout, what):
+def wait_for(pred, proc, timeout, what, poll_s=0.2):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if pred():
             return
         if proc.poll() is not None:
             raise AssertionError(f"run exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -113,7 +113,9 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
     Also acceptance 5: no process of the run listens on a non-loopback address."""
     run_dir, steps = tmp_path / "run", 20
     rng = random.Random(os.getpid())
-    kill_sampler_at, kill_trainer_at = rng.randint(2, 7), rng.randint(10, 14)
+    # the trainer dies after an odd step: checkpoints are every 2 steps, so at least one committed
+    # step lies past the newest checkpoint and must be rolled back
+    kill_sampler_at, kill_trainer_at = rng.randint(2, 7), rng.choice((11, 13))
     proc = start(run_dir, f"trainer.steps={steps}", "checkpoint.every_steps=2", "dashboard.enabled=true",
                  "dashboard.port=0")
     try:
@@ -124,8 +126,10 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
         wait_for(lambda: steps_done(run_dir) >= kill_sampler_at, proc, 300, f"step {kill_sampler_at}")
         victim = actor(run_dir, f"sampler-{rng.randint(0, 1)}")
         os.kill(victim["pid"], signal.SIGKILL)
-        wait_for(lambda: steps_done(run_dir) >= kill_trainer_at, proc, 400, f"step {kill_trainer_at}")
+        wait_for(lambda: steps_done(run_dir) >= kill_trainer_at - 1, proc, 400, f"step {kill_trainer_at - 1}")
         trainer = actor(run_dir, f"trainer-{rng.randint(0, 1)}")
+        wait_for(lambda: steps_done(run_dir) % 2 == 1, proc, 60, "an odd step", poll_s=0.01)
+        done_at_kill = steps_done(run_dir)
         os.kill(trainer["pid"], signal.SIGKILL)
         err = finish(proc)
     finally:
@@ -133,8 +137,16 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     lines = read_ledger(run_dir / "ledger.jsonl")
     assert check(lines, steps, 64) == [], check(lines, steps, 64)
-    assert any("rollback_to" in ln for ln in lines) or "trainer" in err
+    # the group restarted from the newest checkpoint (an even step before the kill) and the ledger voided
+    # the steps after it; they were trained again, so metrics.jsonl logs them twice, in order
+    (rollback,) = [ln for ln in lines if "rollback_to" in ln]
+    back = rollback["rollback_to"]
+    assert back % 2 == 0 and done_at_kill - 3 <= back < done_at_kill, (back, done_at_kill)
     m = read_metrics(run_dir / "metrics.jsonl")
+    logged = [r["step"] for r in m]
+    redo = next(i for i in range(1, len(logged)) if logged[i] <= logged[i - 1])
+    assert logged == list(range(1, redo + 1)) + list(range(back + 1, steps + 1)), logged
+    assert redo >= done_at_kill, (redo, done_at_kill)
     assert m[-1]["step"] == steps and m[-1]["data_position"] == steps * 64
     health = read_health(run_dir)
     assert health["state"] == "finished"
