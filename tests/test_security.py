@@ -63,23 +63,26 @@ def test_embedded_cluster_gets_a_private_token_in_the_run_dir(tmp_path, monkeypa
 def test_embedded_cluster_cannot_be_joined_without_its_token(tmp_path):
     """The embedded cluster as ``rltpu train`` starts it (mode unset); a ``ray.init(address=...)``
     without the token fails, one with a wrong token fails, one with the token runs a task."""
+    import tempfile
+
+    short = tempfile.mkdtemp(prefix="rltpu-auth-", dir="/tmp")  # AF_UNIX socket paths must stay short
     head = textwrap.dedent(f"""
         import subprocess, sys
         from rltpu.chips.cluster import ray_auth
         assert ray_auth({str(tmp_path / 'run')!r}, joining=False) == "token"
         import ray
         ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 _temp_dir={str(tmp_path / 'ray')!r}, logging_level="ERROR")
+                 _temp_dir={short!r}, logging_level="ERROR")
         print(ray.get_runtime_context().gcs_address, flush=True)
         sys.stdin.readline()  # until the test is done
         ray.shutdown()
     """)
     env = _clean_env(tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", head], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "head.log", "w"), text=True)
     try:
         address = proc.stdout.readline().strip()
-        assert address, "the head did not start"
+        assert address, (tmp_path / "head.log").read_text()[-2000:]
         client = textwrap.dedent("""
             import sys, ray
             ray.init(address=sys.argv[1], logging_level="ERROR")
