@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -293,13 +294,61 @@ def policy_loss(
     )
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` per position; (B, T, V) -> (B, T)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_tokens: int = 0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per position; (B, T, V) -> (B, T).
+    ``chunk_tokens``: see ``token_logprobs_entropy``."""
+    dummy = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return token_logprobs_entropy(logits, dummy, temperature, with_entropy=True, chunk_tokens=chunk_tokens)[1]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of each target under ``softmax(logits / temperature)``; (B, T, V) -> (B, T)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int = 0) -> torch.Tensor:
+    """Log-probability of each target under ``softmax(logits / temperature)``; (B, T, V) -> (B, T).
+    ``chunk_tokens``: see ``token_logprobs_entropy``."""
+    return token_logprobs_entropy(logits, targets, temperature, chunk_tokens=chunk_tokens)
+
+
+def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None, temperature: float,
+                  with_entropy: bool):
+    """One chunk: (N, H) hidden states and the head's weight (V, H), or (N, V) logits when ``weight``
+    is None -> logprobs of ``targets`` (N,) [and entropies (N,)], fp32."""
+    z = x if weight is None else torch.nn.functional.linear(x, weight)
+    logp = torch.log_softmax(z.float() / temperature, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return lp
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs_entropy(x: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                           with_entropy: bool = False, chunk_tokens: int = 0, weight: torch.Tensor | None = None):
+    """Per-token logprobs of ``targets`` (and, with ``with_entropy``, the entropy) under
+    ``softmax(logits / temperature)``, computed ``chunk_tokens`` tokens at a time.
+
+    ``x`` is either the logits (..., V) or, with ``weight`` (V, H) given, the hidden states (..., H)
+    that the LM head turns into logits chunk by chunk, so the (tokens, V) logits never exist whole.
+    ``targets`` has ``x``'s leading shape; returns fp32 tensors of that shape.
+
+    Memory: the fp32 log-softmax is (tokens x V x 4 B): 600 KB a token at a 152k vocabulary. With
+    ``chunk_tokens > 0`` and more tokens than that, each chunk runs under ``torch.utils.checkpoint``
+    when a gradient is needed: backward keeps only the chunk's inputs (views of ``x``, ``weight``,
+    which the caller holds anyway) and recomputes one chunk's softmax at a time, so the extra memory
+    is bounded by the chunk, not the sequence. The gradients are the unchunked ones (autograd through
+    the same operations, row by row); ``chunk_tokens=0`` is one chunk (no recomputation).
+    """
+    lead = targets.shape
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_t = targets.reshape(-1)
+    n = flat_t.numel()
+    if chunk_tokens <= 0 or n <= chunk_tokens:
+        out = _logp_entropy(flat_x, flat_t, weight, temperature, with_entropy)
+    else:
+        grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
+        parts = []
+        for lo in range(0, n, chunk_tokens):
+            args = (flat_x[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens], weight, temperature, with_entropy)
+            parts.append(checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args))
+        out = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])) if with_entropy else torch.cat(parts)
+    if with_entropy:
+        return out[0].view(lead), out[1].view(lead)
+    return out.view(lead)

@@ -20,8 +20,7 @@ import torch
 
 from learner.fsdp import checkpoint_layers, full_state_dict, parallelize_llama
 from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
-from learner.losses import (LossScale, policy_loss, token_entropy, token_logprobs, truncated_is_weights,
-                            value_loss)
+from learner.losses import LossScale, policy_loss, token_logprobs_entropy, truncated_is_weights, value_loss
 from learner.optim import build_optimizer
 from rltpu.chips.backend import spmd_region
 from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
@@ -98,9 +97,15 @@ class TrainerEngine:
                 if isinstance(v, np.ndarray)}
 
     def _policy_logp(self, model, b: dict, with_entropy: bool = False):
-        logits = model(b["tokens"], b["position_ids"], b["attention_mask"])[:, :-1]  # (B, L-1, V)
-        logp = token_logprobs(logits, b["tokens"][:, 1:], self.temperature)  # (B, L-1)
-        return (logp, token_entropy(logits, self.temperature)) if with_entropy else logp
+        """Logprobs of tokens 1..L-1 (B, L-1) [and the policy's entropy there], ``logprob_chunk_tokens``
+        tokens at a time from the final hidden states: the (B, L-1, V) fp32 logits never exist whole."""
+        targets = b["tokens"][:, 1:].long()
+
+        def head(hidden, weight):  # hidden (B, L, H): the position before each target
+            return token_logprobs_entropy(hidden[:, :-1], targets, self.temperature, with_entropy,
+                                          self.cfg.logprob_chunk_tokens, weight=weight)
+
+        return model(b["tokens"], b["position_ids"], b["attention_mask"], head=head)
 
     def loss(self, batch: dict):
         """This rank's share of the policy loss, and the sampler-vs-trainer logprob gap (a sum).

@@ -362,6 +362,10 @@ class TrainerConfig(_Section):
     seq_bucket: int = Field(16, ge=1)  # micro-batch widths rounded up to a multiple (few shapes on XLA)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     mixed_precision: Literal["fp32", "bf16"] = "fp32"  # bf16 compute, fp32 master weights and AdamW states
+    # per-token logprobs/entropy this many tokens at a time (LM head + fp32 log-softmax per chunk,
+    # recomputed in backward): extra memory ~ chunk x vocab x 4 B x ~3, not sequence x vocab; 0 = whole
+    # micro-batch at once. 512 at Qwen's 152k vocab: ~0.9 GB transient instead of ~600 KB x 3 per token
+    logprob_chunk_tokens: int = Field(512, ge=0)
 
     @model_validator(mode="after")
     def _algorithm(self) -> "TrainerConfig":

@@ -174,9 +174,17 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids/position_ids/attention_mask [B, T] (mask: 1 real, 0 pad) -> fp32 logits [B, T, V]."""
-        return F.linear(self.hidden_states(input_ids, position_ids, attention_mask), self.output_weight()).float()
+        head=None,
+    ):
+        """input_ids/position_ids/attention_mask [B, T] (mask: 1 real, 0 pad) -> fp32 logits [B, T, V].
+
+        ``head(hidden [B, T, H], output_weight [V, H])``, when given, replaces the LM head and its result
+        is returned: the trainer computes logprobs chunk by chunk there (``learner.losses``) without the
+        full logits. It runs inside ``forward`` so FSDP2's hooks see the (unsharded) head weight."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
+        if head is not None:
+            return head(hidden, self.output_weight())
+        return F.linear(hidden, self.output_weight()).float()
 
     def hidden_states(
         self,
