@@ -64,13 +64,18 @@ def main() -> int:
             except OSError:
                 break
         if n >= args.steps:
-            samples[args.steps] = round(rss_mb(proc.pid), 1)
+            try:
+                rss = round(rss_mb(proc.pid), 1)
+            except OSError:
+                rss = 0.0
+            if rss:  # 0: the process is already exiting (no VmRSS)
+                samples[args.steps] = rss
         time.sleep(0.05)
     rc = proc.wait()
     trace = json.loads((run_dir / "trace.json").read_text()) if (run_dir / "trace.json").exists() else {}
     events = len([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"])
     base = samples.get(args.early) or next((v for k, v in sorted(samples.items()) if k >= args.early), None)
-    last = samples[max(samples)] if samples else None
+    last = samples[max(samples)] if samples else None  # the newest sample taken while the driver ran
     doc = {"steps": args.steps, "rc": rc, "rss_mb": dict(sorted(samples.items())), "early_step": args.early,
            "rss_early_mb": base, "rss_last_mb": last,
            "growth_mb": round(last - base, 1) if base is not None and last is not None else None,

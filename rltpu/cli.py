@@ -72,10 +72,12 @@ def cmd_train(args) -> int:
     except SystemExit as err:  # a library's SIGTERM handler (sys.exit(15)) got in before ours: still one line
         if err.code != signal.SIGTERM:
             raise
+        INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
         print("rltpu: stopped by SIGTERM during start-up", file=sys.stderr, flush=True)
         return 143
     except KeyboardInterrupt:  # before the controller existed
+        INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
         print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran", file=sys.stderr,
               flush=True)
@@ -113,6 +115,7 @@ def _train(args, interrupts) -> int:
         from rltpu.control.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=resume)
+        interrupts.check()  # a signal swallowed during the imports above
     except (ConfigError, ValueError, ChipUnavailableError, OSError) as err:
         return _fail(str(err) if not isinstance(err, OSError) else _one_line(err))
     controller.handle_signals = True  # re-installed after ray.init
@@ -123,6 +126,7 @@ def _train(args, interrupts) -> int:
         end = "finished"
     except KeyboardInterrupt:
         end = "stopped"
+        interrupts.acknowledge()
         interrupts.ignore()  # the checkpoint is being written: a second signal must not cut it short
         line = controller.stop_on_interrupt()
         print(f"rltpu: stopped by {interrupts.name()} {line}", file=sys.stderr, flush=True)

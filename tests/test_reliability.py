@@ -275,3 +275,29 @@ def test_remote_binds_in_the_config_need_allow_remote():
             load_config(q, [key])
         section = key.split(".")[0]
         assert load_config(q, [key, f"{section}.allow_remote=true"])
+
+
+def test_a_swallowed_interrupt_is_raised_again_at_the_next_check():
+    """A KeyboardInterrupt raised inside a finalizer or an import hook is printed as "Exception
+    ignored" and lost (seen with Ctrl-C during start-up): ``check`` raises it again."""
+    import signal
+
+    from rltpu.control.interrupts import Interrupts
+
+    it = Interrupts()
+    it.check()  # nothing received: no-op
+    try:
+        it.handler(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass  # swallowed, as Python does in a __del__
+    with pytest.raises(KeyboardInterrupt):
+        it.check()
+    it.acknowledge()
+    it.check()
+    assert it.exit_code() == 130
+    it2 = Interrupts()
+    with pytest.raises(KeyboardInterrupt):
+        with it2.deferred():
+            it2.handler(signal.SIGTERM, None)  # held, not raised here
+            held = True
+    assert held and it2.exit_code() == 143

@@ -109,6 +109,8 @@ class Controller:
     @phase.setter
     def phase(self, name: str) -> None:
         self.supervisor.set_phase(name, self.step_idx)
+        if self.handle_signals and name != "checkpoint":
+            INTERRUPTS.check()  # a signal whose KeyboardInterrupt was swallowed somewhere stops us here
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,8 +119,10 @@ class Controller:
         p = self.placement
         ray = self.ray = p.start_cluster(self.address)
         self._restore_sigterm()
+        self._check_interrupt()
         p.spawn_all()
         p.claim_all()
+        self._check_interrupt()
         g = p.groups
         d = self.cfg.health.deadlines
         self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated, d)
@@ -140,6 +144,7 @@ class Controller:
         bounded_get(ray, builds, "loading", d, "the trainer engines")
         self.compile_log = bounded_get(ray, compiles, "compiling", d, "the sampler programs")
         self._report_compiling(time.perf_counter() - t_compile)
+        self._check_interrupt()
         if self.resume:
             self._load_checkpoint(required=True)
         self.weights.join()
@@ -151,8 +156,13 @@ class Controller:
             p.write(self.run_dir / "placement.json", extra)
         except OSError as err:  # a debug file: its failure is a warning, not the end of the job
             print(f"rltpu: warning: could not write placement.json ({err.strerror or err})", file=sys.stderr)
+        self._check_interrupt()
         self.started = True
         self.supervisor.state = "running"
+
+    def _check_interrupt(self) -> None:
+        if self.handle_signals:
+            INTERRUPTS.check()
 
     def _restore_sigterm(self) -> None:
         """``ray.init`` installs its own SIGTERM handler (sys.exit); put ours back, so a SIGTERM from

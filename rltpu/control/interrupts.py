@@ -21,6 +21,7 @@ class Interrupts:
         self.received: list[int] = []
         self._depth = 0
         self._pending = False
+        self._unacknowledged = False
         self._previous: dict = {}
 
     @property
@@ -35,10 +36,22 @@ class Interrupts:
 
     def handler(self, signum, frame) -> None:
         self.received.append(signum)
+        self._unacknowledged = True
         if self._depth:
             self._pending = True
             return
         raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def check(self) -> None:
+        """Raise again a signal whose KeyboardInterrupt was swallowed: one raised inside a finalizer,
+        a C extension's callback or an import hook is printed as "Exception ignored" and lost, and
+        the run would go on. Called at every phase change and between start-up stages."""
+        if self._unacknowledged and not self._depth:
+            raise KeyboardInterrupt(self.name())
+
+    def acknowledge(self) -> None:
+        """The stop path has the interrupt: no more re-raising."""
+        self._unacknowledged = False
 
     def install(self) -> None:
         """Both signals -> ``handler`` (main thread only; elsewhere a no-op). Also after ``ray.init``,
