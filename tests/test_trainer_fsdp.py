@@ -221,9 +221,12 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 
 def test_fsdp_micro_batches_and_activation_checkpointing_match_one_pass():
     """Ranks with different lengths plan different micro-batch counts; they agree on the max (else
-    FSDP's collectives would not pair up) and the accumulated gradients equal one pass."""
+    FSDP's collectives would not pair up) and the accumulated gradients equal one pass. Logprobs are
+    chunked by 3 tokens (checkpointed LM head inside the FSDP root's forward) against unchunked."""
     batch = synthetic_batch()
-    tcfg = TCFG.model_copy(update={"micro_batch_tokens": 24, "seq_bucket": 2, "activation_checkpointing": True})
+    tcfg = TCFG.model_copy(update={"micro_batch_tokens": 24, "seq_bucket": 2, "activation_checkpointing": True,
+                                   "logprob_chunk_tokens": 3})
+    assert TCFG.logprob_chunk_tokens > batch["tokens"].size  # the reference: one chunk
     want = {k: v.numpy() for k, v in TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE).grads(_global(batch)).items()}
     res = _spawn(2, batch, tcfg)
     counts = {res[r]["stats"]["micro_batches"] for r in (0, 1)}
