@@ -36,7 +36,7 @@ PRESETS = {
 
 def run(name: str, overrides: list[str], steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"rltpu-alg-{name}-"))
-    cmd = ["rltpu", "train", "configs/quickstart.yaml", *overrides, f"trainer.steps={steps}", "--run-dir", str(run_dir)]
+    cmd = ["rltpu", "train", "configs/quickstart.yaml", *overrides, f"trainer.steps={steps}", "trainer.target_reward=null", "--run-dir", str(run_dir)]
     exe = [sys.executable, "-m", "rltpu.cli", *cmd[1:]]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     t0 = time.perf_counter()

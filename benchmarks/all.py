@@ -15,7 +15,7 @@ from the newest results file (``--results FILE`` picks another); alone it measur
 ``tests/test_bench_results.py`` renders the same blocks from the newest *committed* results file
 and fails if README differs: a README figure cannot change without a new measurement.
 
-Parts (about 25 minutes in all on a 2-core machine under load; each is a quick mode where one exists):
+Parts (each in its quick mode where one exists; the results file has each part's wall seconds):
 """
 
 from __future__ import annotations
@@ -236,13 +236,18 @@ def _src(doc: dict, path: Path, only: str) -> str:
 
 
 def _load(entry: dict) -> str:
-    return f"load {entry['loadavg_before'][0]:g} → {entry['loadavg_after'][0]:g}"
+    return (f"load {entry['loadavg_before'][0]:g} → {entry['loadavg_after'][0]:g} "
+            f"(mean {entry['load_during']['mean_1m']:g})")
+
+
+class MissingPart(Exception):
+    pass
 
 
 def _part(doc: dict, name: str) -> dict:
     entry = doc["parts"].get(name)
     if not entry or entry.get("returncode") != 0 or not entry.get("result"):
-        raise KeyError(f"results file has no successful {name!r} part: run benchmarks/all.py --only {name}")
+        raise MissingPart(f"no successful `{name}` part; `python benchmarks/all.py --only {name}` measures it")
     return entry
 
 
@@ -272,11 +277,10 @@ def block_quickstart(doc: dict, path: Path) -> str:
     s0 = next(r for r in runs if r["seed"] == 0)
     many = len(runs) > 1
     seeds = _rng([r["seed"] for r in runs], "{}")
-    head = (f"Measured on the machine below, from {_src(doc, path, 'quickstart')}, {_load(e)} over the part "
-            f"(1-minute average, 2 cores). Seed 0 is `make demo`"
-            + (f"; seeds {seeds} are `seed=N`" if many else "") + ". The last column is what "
-            "`tests/test_e2e.py` checks on every CI run (with `sync.verify_every=4`); a figure without a bound "
-            "there is measured, not tested.")
+    head = (f"Measured on the machine described under [Benchmarks](#benchmarks), from {_src(doc, path, 'quickstart')}, "
+            f"{_load(e)} over the part. Seed 0 is `make demo`"
+            + (f"; seeds {seeds} are `seed=N`" if many else "") + ". The last column is the bound "
+            "`tests/test_e2e.py` checks (with `sync.verify_every=4`); a figure without one is measured, not tested.")
     cols = "| figure | seed 0 |" + (f" seeds {seeds} |" if many else "") + " test's bound |"
     sep = "|---|---|" + ("---|" if many else "") + "---|"
 
@@ -286,9 +290,9 @@ def block_quickstart(doc: dict, path: Path) -> str:
     rows = [
         row("wall time, incl. Ray start and compilation", f"{s0['wall_s']:.0f} s",
             _rng([r["wall_s"] for r in runs], "{:.0f}") + " s", "< 300 s"),
-        row("mean reward, first 5 steps → last 5 steps", f"{s0['reward_first5']:.2f} → {s0['reward_last5']:.2f}",
-            _rng([r["reward_first5"] for r in runs], "{:.2f}") + " → "
-            + _rng([r["reward_last5"] for r in runs], "{:.2f}"), "≤ 0.2 → ≥ 0.8"),
+        row("mean reward, first 5 steps → last 5 steps", f"{s0['reward_first5']:.3f} → {s0['reward_last5']:.3f}",
+            _rng([r["reward_first5"] for r in runs], "{:.3f}") + " → "
+            + _rng([r["reward_last5"] for r in runs], "{:.3f}"), "≤ 0.2 → ≥ 0.8"),
         row(f"step time, median of steps 2–{s0['steps']} (sample / train / sync)",
             f"{s0['step_s']:.3f} s ({s0['sample_s']:.3f} / {s0['train_s']:.3f} / {s0['sync_s']:.3f})",
             _rng([r["step_s"] for r in runs], "{:.3f}") + " s", "measured, not tested"),
@@ -369,7 +373,7 @@ def block_benchmarks(doc: dict, path: Path) -> str:
     c = cc["result"]
     t = tr["result"]
     return "\n".join([
-        f"Measured, not tested, on the machine below; from `benchmarks/results/{path.name}` "
+        f"Measured, not tested, on the machine above; from `benchmarks/results/{path.name}` "
         f"(`python benchmarks/all.py --only sampler,compile_cache,trainer`):",
         f"- Sampler vs HF `generate` at batch 32, warm tokens/s (`benchmarks/sampler.py --quick`, {_load(sp)}): "
         f"{q32['ratio']:.1f}× on the quickstart model; {m32['ratio']:.1f}× on a {n20 / 1e6:.1f}M model, with rltpu at "
@@ -383,6 +387,9 @@ def block_benchmarks(doc: dict, path: Path) -> str:
         f"{_pct(t['single']['frac_of_peak'])} of the GEMM peak; {t['workload']['ranks']} FSDP2 ranks "
         f"{_pct(t['fsdp']['frac_of_peak'])} of each rank's one-core peak; FSDP time per token is "
         f"{t['fsdp_overhead_ratio']:.2f}× the single process.",
+        "- Algorithm presets: no figures here. `tests/test_e2e_algorithms.py` checks that each preset's last-5 mean "
+        "reward beats its first 5 by more than 0.1 within 30 steps; `benchmarks/algorithms.py` prints the 100-step "
+        "figures.",
     ])
 
 
@@ -402,7 +409,11 @@ BLOCKS[MACHINE_BLOCK] = block_machine
 
 
 def render(name: str, doc: dict, path: Path) -> str:
-    return BLOCKS[name](doc, path)
+    """A block's markdown; a part that is missing or failed in the file leaves no figures, only a note."""
+    try:
+        return BLOCKS[name](doc, path)
+    except MissingPart as err:
+        return f"No figures here: `benchmarks/results/{path.name}` has {err}."
 
 
 def block_re(name: str) -> re.Pattern:

@@ -44,7 +44,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="rltpu-chaos-")) / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}",
-           f"trainer.steps={args.steps}", "progress=false", "sync.verify_every=0", "checkpoint.every_steps=3",
+           f"trainer.steps={args.steps}", "trainer.target_reward=null", "progress=false", "sync.verify_every=0", "checkpoint.every_steps=3",
            f"health.max_restarts={args.kills}"]
     log = open(run_dir.parent / "train.log", "w+")
     t0 = time.time()

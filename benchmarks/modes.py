@@ -81,7 +81,7 @@ def summarize(recs: list[dict], mode: str) -> dict:
 
 def run(name: str, overrides: list[str], steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"rltpu-mode-{name}-"))
-    cmd = ["rltpu", "train", "configs/quickstart.yaml", *overrides, f"trainer.steps={steps}", "progress=false",
+    cmd = ["rltpu", "train", "configs/quickstart.yaml", *overrides, f"trainer.steps={steps}", "trainer.target_reward=null", "progress=false",
            "--run-dir", str(run_dir)]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     t0 = time.perf_counter()

@@ -349,6 +349,8 @@ def token_logprobs_entropy(x: torch.Tensor, targets: torch.Tensor, temperature: 
             args = (flat_x[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens], weight, temperature, with_entropy)
             parts.append(checkpoint(_logp_entropy, *args, use_reentrant=False) if grad else _logp_entropy(*args))
         out = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])) if with_entropy else torch.cat(parts)
+    # fresh tensors, not views: FSDP2 warns (and would skip its backward hook on an in-place op)
+    # when a wrapped module's forward returns a view; the copy is 4 bytes a token
     if with_entropy:
-        return out[0].view(lead), out[1].view(lead)
-    return out.view(lead)
+        return out[0].reshape(lead).clone(), out[1].reshape(lead).clone()
+    return out.reshape(lead).clone()

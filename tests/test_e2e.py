@@ -39,18 +39,19 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert wall < 300, f"quickstart took {wall:.0f}s"
     m = read_metrics(run_dir / "metrics.jsonl")
-    assert len(m) == 100
+    n = len(m)  # the config stops once the last 5 steps' mean reward reaches trainer.target_reward (0.95)
+    assert n == 100 or "trainer.target_reward=0.95 reached at step" in res.stderr, (n, res.stderr[-2000:])
     first5 = sum(r["reward_mean"] for r in m[:5]) / 5
     last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
     assert first5 <= 0.2 and last5 >= 0.8, (first5, last5)
     # steady state compiles nothing: every bucket was compiled before step 1
     assert all(r["compiles"] == 0 for r in m[1:])
     # every step trained on rollouts of the version just synced, and the version advanced by one
-    assert [r["weight_version"] for r in m] == list(range(1, 101))
+    assert [r["weight_version"] for r in m] == list(range(1, n + 1))
     assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)
     # after syncs, sampler logits equal the trainer's on a fixed probe
     probes = [r["sync_probe_max_diff"] for r in m if r["sync_probe_max_diff"] is not None]
-    assert len(probes) == 25 and max(probes) <= 1e-4, probes
+    assert len(probes) == n // 4 and max(probes) <= 1e-4, probes
     for key in ("loss", "kl", "clip_frac", "sample_s", "train_s", "sync_s", "new_tokens_per_s", "padding_frac"):
         assert key in m[0]
     # one emulated host: every synced byte crossed host memory (loopback gloo), none is called ICI or
@@ -69,7 +70,7 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
     # resolved config and a loadable final checkpoint (safetensors + JSON)
     assert (run_dir / "config.yaml").exists()
     model_sd, optim_sd, meta = load_checkpoint(run_dir / "checkpoint")
-    assert meta["step"] == 100 and meta["data"]["position"] == 100 * 64
+    assert meta["step"] == n and meta["data"]["position"] == n * 64
     assert "model.embed_tokens.weight" in model_sd and optim_sd["state"]
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == [
         "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
@@ -78,7 +79,7 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
 def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
-           "trainer.steps=400"]
+           "trainer.steps=400", "trainer.target_reward=null"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics = run_dir / "metrics.jsonl"

@@ -231,6 +231,28 @@ class ChipTable:
 # Placement
 
 
+def unimplemented_parallelism(chips_per_sampler: int, chips_per_trainer: int, full: bool = True) -> str:
+    """Why ``rltpu train`` cannot run processes of these sizes ("" when it can): the one-line error
+    (``full``) or the short reason the planner's report shows.
+
+    A sampler builds no JAX mesh (its engine and weight sync use the first of its devices) and a
+    trainer rank's DeviceMesh is 1-D FSDP over processes, one device each: a process given k > 1
+    chips would leave k - 1 idle (on emulated chips it only gains CPU cores through its affinity).
+    ``assign_roles`` still places such groups: the planner costs them as what TP would give.
+    """
+    for role, per, what, instead in (
+            ("sampler", chips_per_sampler, "sampler tensor parallelism", "more sampler actors instead"),
+            ("trainer", chips_per_trainer, "trainer tensor parallelism (FSDP x TP)", "one FSDP rank per chip")):
+        if per > 1:
+            short = f"{what} is not implemented (issue 16)"
+            if not full:
+                return f"chips_per_{role}={per}: {short}"
+            idle = "the other chip" if per == 2 else f"the other {per - 1} chips"
+            return (f"placement.chips_per_{role}={per}: {short}: a {role} process uses one device and {idle} "
+                    f"would sit idle; set placement.chips_per_{role}=1 ({instead})")
+    return ""
+
+
 def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, list[list[Chip]]]:
     """Give each actor (one process) its chips: samplers first, then trainers, in host order.
 

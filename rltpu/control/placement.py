@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from rltpu.chips.cluster import PlacementError, start_or_join
-from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint
-from rltpu.config import RunConfig
+from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint, unimplemented_parallelism
+from rltpu.config import ConfigError, RunConfig
 from rltpu.observe.health import bounded_get
 
 
@@ -77,6 +77,9 @@ class Placement:
         self.cfg = cfg
         self.colocated = cfg.placement.mode == "colocated"
         self.table = ChipTable.build(cfg.cluster)
+        problem = unimplemented_parallelism(cfg.placement.chips_per_sampler, cfg.placement.chips_per_trainer)
+        if problem:  # one line, exit 2: no TP yet, k chips per process would leave k - 1 idle
+            raise ConfigError(problem)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
         self.groups = ActorGroups(self.colocated)
         self.emulated = self.table.emulated  # refined from the actors' own view of their nodes

@@ -9,6 +9,8 @@ Candidates (all over the chips of ``cluster``):
 plus the placement the config asks for, marked ``as_configured``. Chips come from
 ``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with. The
 reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
+Candidates with more than one chip per process are costed as tensor parallelism would run them but
+marked not runnable (``Candidate.not_runnable``): `rltpu train` has no TP yet (issue 16).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from rltpu.config import ConfigError, PlacementConfig, RunConfig
 from rltpu.plan import costmodel as cm
 from rltpu.plan.hardware import Hardware
 from rltpu.chips.launch import check_real_placement
-from rltpu.chips.topology import ChipTable, Role, assign_roles
+from rltpu.chips.topology import ChipTable, Role, assign_roles, unimplemented_parallelism
 
 MODES = ("disaggregated", "async", "colocated")
 RUNNABLE_MODES = MODES  # `rltpu train` runs all three (placement.mode, placement.staleness)
@@ -60,9 +62,19 @@ class Candidate:
         return base + (f", RM on {self.reward_on}" if self.reward_on else "")
 
     @property
+    def not_runnable(self) -> str:
+        """Why `rltpu train` refuses it ("" when it runs): every mode runs (async as
+        placement.staleness=1), but no process may hold more than one chip until tensor parallelism
+        exists (``rltpu.chips.topology.unimplemented_parallelism``, the check ``rltpu train`` makes)."""
+        if self.mode not in RUNNABLE_MODES:
+            return f"placement mode {self.mode} is not run by rltpu train"
+        return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False)
+
+    @property
     def runnable(self) -> bool:
-        """Whether `rltpu train` can run it (every mode can: async as placement.staleness=1)."""
-        return self.mode in RUNNABLE_MODES
+        """Whether `rltpu train` can run it. A TP candidate (k chips per process) is still costed
+        and reported, as what tensor parallelism would give, but never wins nor is written."""
+        return not self.not_runnable
 
     def peak_bytes(self) -> dict[str, float]:
         return {role: sum(items.values()) for role, items in self.memory.items()}
@@ -263,13 +275,14 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Feasible first, fastest step first; infeasible ones keep their reason, after them, the
-    nearest miss (peak memory / capacity) first."""
+    """Feasible and runnable first, fastest step first; then feasible ones `rltpu train` refuses
+    (tensor-parallel layouts: what TP would give, never the winner); infeasible ones keep their
+    reason, after them, the nearest miss (peak memory / capacity) first."""
     def key(c: Candidate):
         if c.feasible:
-            return (0, c.phases.step)
+            return (0 if c.runnable else 1, c.phases.step)
         over = max(c.peak_bytes().values()) / c.capacity if c.memory and c.capacity else float("inf")
-        return (1, over)  # the nearest miss first
+        return (2, over)  # the nearest miss first
 
     return sorted(cands, key=key)
 

@@ -35,11 +35,17 @@ class Plan:
 
     @property
     def winner(self) -> Candidate | None:
-        return self.feasible[0] if self.feasible else None
+        """The fastest feasible candidate `rltpu train` runs (a faster TP layout is reported, never picked)."""
+        return self.best_runnable
 
     @property
     def best_runnable(self) -> Candidate | None:
         return next((c for c in self.feasible if c.runnable), None)
+
+    @property
+    def best_unrunnable(self) -> Candidate | None:
+        """The fastest feasible candidate `rltpu train` refuses (tensor parallelism), for the report."""
+        return next((c for c in self.feasible if not c.runnable), None)
 
     @property
     def as_configured(self) -> Candidate:
@@ -61,6 +67,11 @@ class Plan:
         """A paragraph: why the winner wins, what the others lose on, what does not fit."""
         win = self.winner
         if win is None:
+            tp = self.best_unrunnable
+            if tp is not None:
+                return (f"No placement `rltpu train` can run fits on {self.table.describe()} ({self.hw.name}). "
+                        f"Only tensor-parallel ones would: {tp.name} at {tp.phases.step:.3g} s per step, but "
+                        f"{tp.not_runnable}. Use more chips, a smaller model, or fewer prompts per step.")
             c = self.candidates[0]
             return (f"No candidate fits on {self.table.describe()} ({self.hw.name}). Closest: {c.name}: {c.reason}. "
                     f"Use more chips (cluster.topology/slices), a smaller model, or fewer prompts per step.")
@@ -68,7 +79,7 @@ class Plan:
         phases = {"sample": p.sample, "train": p.train, "sync": p.sync, "host": p.host}
         dom = max(phases, key=phases.get)
         parts = [f"{win.name} wins at {p.step:.3g} s per step; {dom} is {phases[dom] / p.step:.0%} of it."]
-        others = [c for c in self.feasible if c is not win]
+        others = [c for c in self.feasible if c is not win and c.runnable]
         if others:
             r = others[0]
             diffs = {k: getattr(r.phases, k) - getattr(p, k) for k in ("sample", "train", "sync", "host")}
@@ -83,10 +94,11 @@ class Plan:
                 parts.append(f"Best {mode}: {best.phases.step:.3g} s per step.")
             else:
                 parts.append(f"{mode.capitalize()} does not fit: {best.reason}.")
-        if not win.runnable:
-            br = self.best_runnable
-            parts.append(f"`rltpu train` cannot run it, so --write-config writes "
-                         f"{br.name if br else 'nothing (none fits)'}.")
+        tp = self.best_unrunnable
+        if tp is not None and tp.phases.step < p.step:
+            parts.append(f"Tensor parallelism would give {tp.name} at {tp.phases.step:.3g} s "
+                         f"({tp.phases.step / p.step - 1:+.0%}), but `rltpu train` cannot run it: "
+                         f"{tp.not_runnable}.")
         bad = [c for c in self.candidates if not c.feasible]
         if bad:
             parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit.")
@@ -95,7 +107,8 @@ class Plan:
     def to_json(self) -> dict:
         def cand(c: Candidate) -> dict:
             return {
-                "name": c.name, "mode": c.mode, "runnable": c.runnable, "as_configured": c.as_configured,
+                "name": c.name, "mode": c.mode, "runnable": c.runnable, "not_runnable": c.not_runnable,
+                "as_configured": c.as_configured,
                 "sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
                 "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer,
                 "sampler_tp": c.sampler_tp, "trainer_fsdp": c.trainer_fsdp, "trainer_tp": c.trainer_tp,

@@ -55,7 +55,8 @@ def markdown(plan: Plan, top: int = 12) -> str:
         peak = max(c.peak_bytes().values()) if c.memory else 0
         cells = ([_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync), _fmt_s(p.host)]
                  if p else ["-"] * 5)
-        note = "; ".join(x for x in ["as configured" if c.as_configured else "", c.reason, *c.warnings] if x)
+        note = "; ".join(x for x in ["as configured" if c.as_configured else "", c.not_runnable, c.reason,
+                                             *c.warnings] if x)
         out.append(f"| {i} | {c.name} | {'yes' if c.runnable else 'no'} | {'yes' if c.feasible else '**no**'} | "
                    + " | ".join(cells) + f" | {fmt_bytes(peak)} / {fmt_bytes(c.capacity)} | {note} |")
     if win:
@@ -205,7 +206,8 @@ def html_page(plan: Plan, top: int = 12) -> str:
         ranked.append([i, c.name, "yes" if c.runnable else "no", "yes" if c.feasible else "NO",
                        *( [_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync)] if p else ["-"] * 4),
                        f"{fmt_bytes(peak)} / {fmt_bytes(c.capacity)}",
-                       "; ".join(x for x in ["as configured" if c.as_configured else "", c.reason, *c.warnings] if x)])
+                       "; ".join(x for x in ["as configured" if c.as_configured else "", c.not_runnable, c.reason,
+                                             *c.warnings] if x)])
     ranks = [[r["role"], r["rank"], r["slice"], r["host"], r["chips"]] for r in win.ranks]
     route = [[h.what, h.link, h.src, h.dst, fmt_bytes(h.bytes), _fmt_s(h.seconds)] for h in win.route]
     w, m = plan.workload, plan.model

@@ -1,4 +1,5 @@
-"""``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts.
+"""``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts (never a
+tensor-parallel one: ``chips_per_sampler``/``chips_per_trainer`` stay 1 until TP exists, issue 16).
 
 Only ``placement`` changes (async as ``staleness: 1`` with ``trainer.off_policy_correction: tis``), plus the trainer's activation checkpointing and micro-batch size the
 plan chose (unless the placement is the config's own), and a sampler batch bucket when a sampler
@@ -20,7 +21,10 @@ from rltpu.chips.topology import ChipTable, assign_roles
 def placed_config(plan: Plan) -> dict:
     c = plan.best_runnable
     if c is None:
-        raise ConfigError(f"no placement that `rltpu train` can run fits on {plan.table.describe()}; "
+        tp = plan.best_unrunnable
+        only_tp = (f"; only {tp.name} and other tensor-parallel placements would, and {tp.not_runnable}"
+                   if tp is not None else "")
+        raise ConfigError(f"no placement that `rltpu train` can run fits on {plan.table.describe()}{only_tp}; "
                           f"see the plan's reasons (more chips, a smaller model or fewer prompts per step)")
     data = plan.cfg.to_dict()
     data["placement"] = {"mode": "colocated" if c.mode == "colocated" else "disaggregated",
