@@ -290,6 +290,8 @@ def block_quickstart(doc: dict, path: Path) -> str:
     rows = [
         row("wall time, incl. Ray start and compilation", f"{s0['wall_s']:.0f} s",
             _rng([r["wall_s"] for r in runs], "{:.0f}") + " s", "< 300 s"),
+        row("steps run (stops when the last-5 mean reward reaches `trainer.target_reward` 0.95; at most 100)",
+            f"{s0['steps']}", _rng([r["steps"] for r in runs], "{}"), "measured, not tested"),
         row("mean reward, first 5 steps → last 5 steps", f"{s0['reward_first5']:.3f} → {s0['reward_last5']:.3f}",
             _rng([r["reward_first5"] for r in runs], "{:.3f}") + " → "
             + _rng([r["reward_last5"] for r in runs], "{:.3f}"), "≤ 0.2 → ≥ 0.8"),
