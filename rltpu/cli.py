@@ -197,15 +197,19 @@ def cmd_plan(args) -> int:
             write_config(plan, Path(args.write_config))
     except (ConfigError, ValueError, RuntimeError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else err.__class__.__name__)
+    # beyond planner.DETAIL_MAX_CHIPS the JSON holds rank tables of thousands of rows: written compact
+    # (json's C encoder; indenting them took most of a 6,144-chip plan's time)
+    indent = 1 if plan.detailed_report else None
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.md").write_text(plan_report.markdown(plan, args.top))
         (out / "plan.html").write_text(plan_report.html_page(plan, args.top))
-        (out / "plan.json").write_text(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=1,
+        (out / "plan.json").write_text(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=indent,
                                                   default=str))
+        (out / "ranks.csv").write_text(plan_report.ranks_csv(plan))
     if args.json:
-        print(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=1, default=str))
+        print(json.dumps(plan.to_json() | ({"against": cmp} if cmp else {}), indent=indent, default=str))
     elif cmp:
         print(format_table(cmp), end="")
     else:
@@ -213,7 +217,7 @@ def cmd_plan(args) -> int:
     if args.write_config:
         print(f"rltpu: wrote {args.write_config} ({plan.best_runnable.name})", file=sys.stderr)
     if args.out:
-        print(f"rltpu: wrote {args.out}/plan.md, plan.html, plan.json", file=sys.stderr)
+        print(f"rltpu: wrote {args.out}/plan.md, plan.html, plan.json, ranks.csv", file=sys.stderr)
     return 0
 
 

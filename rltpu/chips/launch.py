@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections import Counter
 import time
 from collections.abc import Callable
 
@@ -48,20 +49,28 @@ def torchtpu_group_problems(generation: str, group: list[list[Chip]], chips_per_
     host and only in its table's sizes, and on several hosts every host runs the same number of
     ranks (slice-builder addresses are ``host:BASE_PORT+i`` for i < devices per host on every host).
     """
+    multi = len(group[0]) if any(len(chips) != 1 for chips in group) else 0
+    per_host = Counter((c.slice, c.host) for chips in group for c in chips)
+    return torchtpu_host_problems(generation, per_host, chips_per_host, multi)
+
+
+def torchtpu_host_problems(generation: str, per_host: dict[tuple[int, int], int], chips_per_host: int,
+                           chips_per_rank: int = 0) -> list[str]:
+    """``torchtpu_group_problems`` from the trainer chips per (slice, host) alone, so the planner can
+    check placements of thousands of chips without chip lists; ``chips_per_rank``: 0 when every
+    rank has one chip, else a rank's chips."""
     out = []
     if generation not in HOST_SUBSLICE_TOPOLOGY:
         return [f"TorchTPU 0.2.0 runs one process per device and a {generation} chip is "
                 f"{GENERATION_FACTS[generation].jax_devices_per_chip} devices; rltpu trainer actors own whole "
                 f"chips, so a real {generation} trainer group is not supported"]
-    if any(len(chips) != 1 for chips in group):
-        out.append(f"placement.chips_per_trainer={len(group[0])}: TorchTPU runs one process per chip; "
+    if chips_per_rank:
+        out.append(f"placement.chips_per_trainer={chips_per_rank}: TorchTPU runs one process per chip; "
                    f"set placement.chips_per_trainer=1")
-    hosts = _hosts(group)
-    per_host = {h: sum(1 for chips in group for c in chips if (c.slice, c.host) == h) for h in hosts}
-    if len({h[0] for h in hosts}) > 1:
+    if len({h[0] for h in per_host}) > 1:
         out.append("the trainer group spans slices; TorchTPU's multi-slice path (MegaScale) is not wired in "
                    "rltpu: keep trainer chips inside one slice")
-    if len(hosts) == 1:
+    if len(per_host) == 1:
         n = next(iter(per_host.values()))
         table = HOST_SUBSLICE_TOPOLOGY[generation]
         if n not in table:
@@ -81,6 +90,16 @@ def check_real_placement(generation: str, trainer_group: list[list[Chip]], chips
             "the same chip from one process, which libtpu does not allow (see docs/tpu.md); use "
             "placement.mode=disaggregated, or cluster.emulated=true")
     problems = torchtpu_group_problems(generation, trainer_group, chips_per_host)
+    if problems:
+        raise ConfigError(f"real TPU trainer group: {problems[0]}")
+
+
+def check_real_counts(generation: str, per_host: dict[tuple[int, int], int], chips_per_host: int, mode: str,
+                      chips_per_rank: int = 0) -> None:
+    """``check_real_placement`` from the trainer chips per (slice, host): the planner's count path."""
+    if mode == "colocated":
+        check_real_placement(generation, [], chips_per_host, mode)
+    problems = torchtpu_host_problems(generation, per_host, chips_per_host, chips_per_rank)
     if problems:
         raise ConfigError(f"real TPU trainer group: {problems[0]}")
 

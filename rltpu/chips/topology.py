@@ -107,6 +107,7 @@ class ChipTable:
         self._by_host: dict[tuple[int, int], list[Chip]] = {}
         for c in chips:
             self._by_host.setdefault((c.slice, c.host), []).append(c)
+        self._chips_per_host = max((len(v) for v in self._by_host.values()), default=0)
 
     @classmethod
     def build(cls, cluster: ClusterConfig, emulated: bool | None = None) -> "ChipTable":
@@ -168,7 +169,7 @@ class ChipTable:
 
     @property
     def chips_per_host(self) -> int:
-        return max(len(v) for v in self._by_host.values())
+        return self._chips_per_host
 
     def hosts(self) -> list[tuple[int, int]]:
         """All (slice, host) pairs in order."""
@@ -260,6 +261,58 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
     aligned block (start index a multiple of its size), so pairs and quads are ICI neighbours.
     With power-of-two actor sizes this never fails when the total fits. Raises ConfigError.
     """
+    plan = _role_plan(table, placement)
+    free = {h: [True] * len(table.chips_on(*h)) for h in table.hosts()}
+    out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: [], Role.REWARD: []}
+    pinned = {Role.SAMPLER: placement.sampler_chip_ids, Role.TRAINER: placement.trainer_chip_ids,
+              Role.REWARD: placement.reward_chip_ids}
+    for role, total, per in plan:  # pinned chips first, so automatic placement avoids them
+        ids = pinned[role]
+        if ids is None:
+            continue
+        bad = [i for i in ids if not 0 <= i < table.num_chips]
+        if bad:
+            raise ConfigError(
+                f"placement.{role.value}_chip_ids has chip {bad[0]} but cluster {table.describe()} has chips "
+                f"0..{table.num_chips - 1}"
+            )
+        for rank in range(total // per):
+            group = [table._chips[i] for i in ids[rank * per:(rank + 1) * per]]
+            if len({(c.slice, c.host) for c in group}) > 1:
+                raise ConfigError(
+                    f"placement.{role.value}_chip_ids puts {role.value} actor {rank} on chips "
+                    f"{[c.global_id for c in group]} of different hosts; one process owns chips of one host"
+                )
+            for c in group:
+                free[(c.slice, c.host)][c.index] = False
+            out[role].append(sorted(group, key=lambda c: c.index))
+    hosts = table.hosts()
+    for role, total, per in plan:
+        if pinned[role] is not None:
+            continue
+        first = 0  # hosts before it hold no free aligned block of `per` (chips are only ever taken)
+        for rank in range(total // per):
+            got = None
+            for hi in range(first, len(hosts)):
+                slots = free[hosts[hi]]
+                for start in range(0, len(slots) - per + 1, per):
+                    if all(slots[start : start + per]):
+                        got = (hosts[hi], start)
+                        break
+                if got:
+                    first = hi
+                    break
+            if got is None:
+                raise _unplaceable(table, role, rank, per)
+            h, start = got
+            for i in range(start, start + per):
+                free[h][i] = False
+            out[role].append(table._by_host[h][start : start + per])
+    return out
+
+
+def _role_plan(table: ChipTable, placement: PlacementConfig) -> list[tuple[Role, int, int]]:
+    """(role, chips, chips per actor) in placement order, after the checks every placement passes."""
     reward = placement.reward_chips
     # colocated: the samplers run inside the trainer processes, on the trainers' chips
     samplers = 0 if getattr(placement, "mode", "disaggregated") == "colocated" else placement.sampler_chips
@@ -283,54 +336,92 @@ def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, lis
                 f"{table.chips_per_host} chips and one process cannot span hosts; lower "
                 f"placement.chips_per_{role.value} to <= {table.chips_per_host}"
             )
-    free = {h: [True] * len(table.chips_on(*h)) for h in table.hosts()}
-    out: dict[Role, list[list[Chip]]] = {Role.SAMPLER: [], Role.TRAINER: [], Role.REWARD: []}
-    pinned = {Role.SAMPLER: placement.sampler_chip_ids, Role.TRAINER: placement.trainer_chip_ids,
-              Role.REWARD: placement.reward_chip_ids}
-    for role, total, per in plan:  # pinned chips first, so automatic placement avoids them
-        ids = pinned[role]
-        if ids is None:
+    return plan
+
+
+def _unplaceable(table: ChipTable, role: Role, rank: int, per: int) -> ConfigError:
+    return ConfigError(
+        f"cannot place {role.value} actor {rank} ({per} chips on one host) on cluster "
+        f"{table.describe()} ({table.chips_per_host} chips per host) after earlier actors; "
+        f"lower placement.chips_per_{role.value} or placement.{role.value}_chips"
+    )
+
+
+# A run of actors: (first host, hosts, actors on each), hosts as indices into ``ChipTable.hosts()``.
+HostRun = tuple[int, int, int]
+
+
+def _fill(segs: list[list], need: int, per: int) -> tuple[list[HostRun], int]:
+    """Place ``need`` actors of ``per`` chips first-fit, as ``assign_roles`` does, over ``segs``:
+    runs of consecutive hosts in one state, ``[hosts, free-slot tuple]``, updated in place. A run
+    is handled at once (every host of it takes the same aligned blocks), so the cost is the number
+    of runs, not of chips. Returns the actor runs and how many actors found room."""
+    runs: list[HostRun] = []
+    placed = pos = i = 0
+    while placed < need and i < len(segs):
+        cnt, bm = segs[i]
+        starts = [s for s in range(0, len(bm) - per + 1, per) if all(bm[s:s + per])]
+        if not starts:
+            pos, i = pos + cnt, i + 1
             continue
-        bad = [i for i in ids if not 0 <= i < table.num_chips]
-        if bad:
-            raise ConfigError(
-                f"placement.{role.value}_chip_ids has chip {bad[0]} but cluster {table.describe()} has chips "
-                f"0..{table.num_chips - 1}"
-            )
-        for rank in range(total // per):
-            group = [table.chips[i] for i in ids[rank * per:(rank + 1) * per]]
-            if len({(c.slice, c.host) for c in group}) > 1:
-                raise ConfigError(
-                    f"placement.{role.value}_chip_ids puts {role.value} actor {rank} on chips "
-                    f"{[c.global_id for c in group]} of different hosts; one process owns chips of one host"
-                )
-            for c in group:
-                free[(c.slice, c.host)][c.index] = False
-            out[role].append(sorted(group, key=lambda c: c.index))
-    for role, total, per in plan:
-        if pinned[role] is not None:
-            continue
-        for rank in range(total // per):
-            got = None
-            for h in table.hosts():
-                slots = free[h]
-                for start in range(0, len(slots) - per + 1, per):
-                    if all(slots[start : start + per]):
-                        got = (h, start)
-                        break
-                if got:
-                    break
-            if got is None:
-                raise ConfigError(
-                    f"cannot place {role.value} actor {rank} ({per} chips on one host) on cluster "
-                    f"{table.describe()} ({table.chips_per_host} chips per host) after earlier actors; "
-                    f"lower placement.chips_per_{role.value} or placement.{role.value}_chips"
-                )
-            h, start = got
-            for i in range(start, start + per):
-                free[h][i] = False
-            out[role].append(table.chips_on(*h)[start : start + per])
+
+        def take(k: int) -> tuple:
+            out = list(bm)
+            for s in starts[:k]:
+                out[s:s + per] = [False] * per
+            return tuple(out)
+
+        b, new = len(starts), []
+        full = min(cnt, (need - placed) // b)
+        if full:  # whole hosts: every aligned block of each
+            new.append([full, take(b)])
+            runs.append((pos, full, b))
+            placed += full * b
+        rest = cnt - full
+        if rest and placed < need:  # one host takes the last few
+            r = need - placed
+            new.append([1, take(r)])
+            runs.append((pos + full, 1, r))
+            placed, rest = need, rest - 1
+        if rest:
+            new.append([rest, bm])
+        segs[i:i + 1] = new
+        pos, i = pos + cnt, i + len(new)
+    return runs, placed
+
+
+def _free_segments(table: ChipTable) -> list[list]:
+    segs: list[list] = []
+    for h in table.hosts():
+        n = len(table._by_host[h])
+        if segs and len(segs[-1][1]) == n:
+            segs[-1][0] += 1
+        else:
+            segs.append([1, (True,) * n])
+    return segs
+
+
+def place_counts(table: ChipTable, placement: PlacementConfig) -> dict[Role, list[HostRun]]:
+    """What ``assign_roles`` would place, as runs of hosts instead of one chip list per actor.
+
+    The planner costs thousands of candidates on slices of thousands of chips: it needs only how
+    many actors of each role sit on which host. Same order, same ConfigErrors as ``assign_roles``
+    (``tests/test_plan_scale.py`` compares them); pinned chip ids are ``assign_roles``' job.
+    """
+    if any(getattr(placement, f"{r.value}_chip_ids") is not None for r in Role):
+        raise ValueError("place_counts takes unpinned placements; use assign_roles for *_chip_ids")
+    segs = _free_segments(table)
+    out: dict[Role, list[HostRun]] = {Role.SAMPLER: [], Role.TRAINER: [], Role.REWARD: []}
+    for role, total, per in _role_plan(table, placement):
+        out[role], placed = _fill(segs, total // per, per)
+        if placed < total // per:
+            raise _unplaceable(table, role, placed, per)
     return out
+
+
+def aligned_blocks(table: ChipTable, per: int, limit: int) -> list[HostRun]:
+    """The first ``limit`` aligned blocks of ``per`` chips in host order (colocated processes)."""
+    return _fill(_free_segments(table), limit, per)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Candidates (all over the chips of ``cluster``):
 * colocated: one process per chip group holds both roles; both footprints stay resident (a TPU
   has no "sleep mode" to free HBM), FSDP over every chip, sampler TP inside each process;
 plus the placement the config asks for, marked ``as_configured``. Chips come from
-``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with. The
+``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with (costed
+from its per-host counts, ``place_counts``, so a 6,144-chip slice stays cheap). The
 reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
 Candidates with more than one chip per process are costed as tensor parallelism would run them but
 marked not runnable (``Candidate.not_runnable``): `rltpu train` has no TP yet (issue 16).
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from rltpu.config import ConfigError, PlacementConfig, RunConfig
 from rltpu.plan import costmodel as cm
 from rltpu.plan.hardware import Hardware
-from rltpu.chips.launch import check_real_placement
-from rltpu.chips.topology import ChipTable, Role, assign_roles, unimplemented_parallelism
+from rltpu.chips.launch import check_real_counts
+from rltpu.chips.topology import (ChipTable, Role, aligned_blocks, assign_roles, place_counts,
+                                  unimplemented_parallelism)
 
 MODES = ("disaggregated", "async", "colocated")
 RUNNABLE_MODES = MODES  # `rltpu train` runs all three (placement.mode, placement.staleness)
@@ -46,11 +48,22 @@ class Candidate:
     phases: cm.Phases | None = None
     route: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
-    ranks: list = field(default_factory=list)  # rank -> chip rows
     sampler_tp: int = 1
     trainer_fsdp: int = 1
     trainer_tp: int = 1
     micro_rows: float = 0.0  # trainer rows per forward/backward (< the shard: gradient accumulation)
+    _ranks: list | None = field(default=None, repr=False, compare=False)
+    _where: tuple | None = field(default=None, repr=False, compare=False)  # (cfg, table) it was costed on
+
+    @property
+    def ranks(self) -> list[dict]:
+        """Rank -> chip rows (role, rank, slice, host, chips, coords), laid out by ``assign_roles`` on
+        first read: on a 6,144-chip slice only the candidates a report shows pay for one."""
+        if self._ranks is None:
+            if self._where is None:  # never placed (assign_roles refused it)
+                return []
+            self._ranks = rank_table(self, *actor_chips(self, *self._where))
+        return self._ranks
 
     @property
     def name(self) -> str:
@@ -85,39 +98,114 @@ def _bucket(rows: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= rows), rows)
 
 
-def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape,
-             w: cm.Workload) -> Candidate:
-    """Fill in memory, feasibility, phases, route, warnings and the rank -> chip table."""
-    colocated = c.mode == "colocated"
-    if colocated:
+@dataclass
+class Layout:
+    """What the cost model needs from a candidate's chips: actor counts and where they sit."""
+    n_s: int
+    n_t: int
+    sampler_slices: Counter  # slice -> sampler actors on it
+    trainer_slices: list  # the slice of each trainer actor
+    trainer_hosts: dict  # (slice, host) -> trainer chips on it
+    busiest_host: int  # most sampler + trainer chips in use on one host
+    tp_crossing: list  # actors whose chips span hosts (assign_roles forbids it; a guard)
+
+
+def _placement(c: Candidate, cfg: RunConfig) -> PlacementConfig:
+    keep = {k: getattr(cfg.placement, k) for k in ("reward_chips", "chips_per_reward", "reward_chip_ids")
+            if hasattr(cfg.placement, k)}  # a reward-model group keeps its chips
+    return PlacementConfig(
+        sampler_chips=c.sampler_chips, trainer_chips=c.trainer_chips, chips_per_sampler=c.chips_per_sampler,
+        chips_per_trainer=c.chips_per_trainer,
+        sampler_chip_ids=cfg.placement.sampler_chip_ids if c.as_configured else None,
+        trainer_chip_ids=cfg.placement.trainer_chip_ids if c.as_configured else None, **keep)
+
+
+def actor_chips(c: Candidate, cfg: RunConfig, table: ChipTable) -> tuple[list, list]:
+    """(sampler actors, trainer actors), each a list of its chips, as ``rltpu train`` places them."""
+    if c.mode == "colocated":
         per = c.chips_per_sampler  # aligned blocks of each host, in host order (as assign_roles does)
         samplers = [table.chips_on(*h)[i:i + per] for h in table.hosts()
                     for i in range(0, len(table.chips_on(*h)) - per + 1, per)][: c.sampler_chips // per]
-        trainers = samplers  # the same processes hold both roles
-        n_s = n_t = len(samplers)
-        fsdp_chips = c.sampler_chips
-    else:
-        keep = {k: getattr(cfg.placement, k) for k in ("reward_chips", "chips_per_reward", "reward_chip_ids")
-                if hasattr(cfg.placement, k)}  # a reward-model group keeps its chips
-        placement = PlacementConfig(
-            sampler_chips=c.sampler_chips, trainer_chips=c.trainer_chips, chips_per_sampler=c.chips_per_sampler,
-            chips_per_trainer=c.chips_per_trainer,
-            sampler_chip_ids=cfg.placement.sampler_chip_ids if c.as_configured else None,
-            trainer_chip_ids=cfg.placement.trainer_chip_ids if c.as_configured else None, **keep)
-        roles = assign_roles(table, placement)
-        samplers, trainers = roles[Role.SAMPLER], roles[Role.TRAINER]
-        n_s, n_t = len(samplers), len(trainers)
-        fsdp_chips = c.trainer_chips
-    c.sampler_tp, c.trainer_fsdp = c.chips_per_sampler, n_t
-    c.trainer_tp = c.chips_per_sampler if colocated else c.chips_per_trainer
+        return samplers, samplers  # the same processes hold both roles
+    roles = assign_roles(table, _placement(c, cfg))
+    return roles[Role.SAMPLER], roles[Role.TRAINER]
 
-    # -- rank -> chip table
+
+def rank_table(c: Candidate, samplers: list, trainers: list) -> list[dict]:
+    colocated = c.mode == "colocated"
+    out = []
     for role, actors in ((Role.SAMPLER, samplers), (Role.TRAINER, [] if colocated else trainers)):
         for rank, chips in enumerate(actors):
-            c.ranks.append({"role": "sampler+trainer" if colocated else role.value, "rank": rank,
-                            "slice": chips[0].slice, "host": chips[0].host,
-                            "chips": [ch.global_id for ch in chips], "coords": [list(ch.coords) for ch in chips]})
-    used_hosts = Counter((ch.slice, ch.host) for chs in (samplers if colocated else samplers + trainers) for ch in chs)
+            out.append({"role": "sampler+trainer" if colocated else role.value, "rank": rank,
+                        "slice": chips[0].slice, "host": chips[0].host,
+                        "chips": [ch.global_id for ch in chips], "coords": [list(ch.coords) for ch in chips]})
+    return out
+
+
+def _layout_detailed(c: Candidate, samplers: list, trainers: list) -> Layout:
+    colocated = c.mode == "colocated"
+    used = Counter((ch.slice, ch.host) for chs in (samplers if colocated else samplers + trainers) for ch in chs)
+    return Layout(
+        n_s=len(samplers), n_t=len(trainers), sampler_slices=Counter(chips[0].slice for chips in samplers),
+        trainer_slices=[chips[0].slice for chips in trainers],
+        trainer_hosts=Counter((ch.slice, ch.host) for chips in trainers for ch in chips),
+        busiest_host=max(used.values(), default=1),
+        tp_crossing=[[ch.global_id for ch in chips] for chips in samplers + trainers
+                     if len({(ch.slice, ch.host) for ch in chips}) > 1])
+
+
+def _layout_counts(c: Candidate, cfg: RunConfig, table: ChipTable) -> Layout:
+    """The same Layout from ``place_counts`` (runs of hosts): no per-chip objects, so a candidate on
+    a 6,144-chip slice costs about as much as one on 16 chips."""
+    hosts = table.hosts()
+    if c.mode == "colocated":
+        s_runs = t_runs = aligned_blocks(table, c.chips_per_sampler, c.sampler_chips // c.chips_per_sampler)
+        cps = cpt = c.chips_per_sampler
+    else:
+        runs = place_counts(table, _placement(c, cfg))
+        s_runs, t_runs = runs[Role.SAMPLER], runs[Role.TRAINER]
+        cps, cpt = c.chips_per_sampler, c.chips_per_trainer
+    s_slices: Counter = Counter()
+    used: Counter = Counter()
+    for first, n, a in s_runs:
+        for i in range(first, first + n):
+            s_slices[hosts[i][0]] += a
+            used[i] += a * cps
+    t_slices, t_hosts = [], {}
+    for first, n, a in t_runs:
+        for i in range(first, first + n):
+            t_slices += [hosts[i][0]] * a
+            t_hosts[hosts[i]] = t_hosts.get(hosts[i], 0) + a * cpt
+            if c.mode != "colocated":
+                used[i] += a * cpt
+    return Layout(n_s=sum(s_slices.values()), n_t=len(t_slices), sampler_slices=s_slices, trainer_slices=t_slices,
+                  trainer_hosts=t_hosts, busiest_host=max(used.values(), default=1), tp_crossing=[])
+
+
+def _pinned(cfg: RunConfig, c: Candidate) -> bool:
+    p = cfg.placement
+    return getattr(p, "reward_chip_ids", None) is not None or (
+        c.as_configured and (p.sampler_chip_ids is not None or p.trainer_chip_ids is not None))
+
+
+def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape,
+             w: cm.Workload, detailed: bool = False) -> Candidate:
+    """Fill in memory, feasibility, phases, route and warnings. Costs come from actor counts per
+    host (``place_counts``); ``detailed`` (and pinned chip ids) lays out every chip with
+    ``assign_roles`` instead and keeps the rank -> chip table. Both give the same figures
+    (tests/test_plan_scale.py); the rank table is otherwise built when first read (``ranks``)."""
+    colocated = c.mode == "colocated"
+    if detailed or _pinned(cfg, c):
+        samplers, trainers = actor_chips(c, cfg, table)
+        lay = _layout_detailed(c, samplers, trainers)
+        c._ranks = rank_table(c, samplers, trainers)
+    else:
+        lay = _layout_counts(c, cfg, table)
+    c._where = (cfg, table)
+    n_s, n_t = lay.n_s, lay.n_t
+    fsdp_chips = c.sampler_chips if colocated else c.trainer_chips
+    c.sampler_tp, c.trainer_fsdp = c.chips_per_sampler, n_t
+    c.trainer_tp = c.chips_per_sampler if colocated else c.chips_per_trainer
 
     # -- memory per chip
     rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
@@ -133,7 +221,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         return out
 
     if hw.emulated:  # emulated chips share the host's RAM
-        c.capacity = hw.hbm_bytes / max(used_hosts.values())
+        c.capacity = hw.hbm_bytes / lay.busiest_host
     else:
         c.capacity = hw.hbm_bytes
     reserve = {"runtime": hw.runtime_reserve_bytes}
@@ -179,17 +267,14 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
                     f"{'; even with activation checkpointing and 1-row micro-batches' if role != 'sampler' else ''})")
 
     # -- mesh mapping: high-traffic dims on ICI inside a slice, DCN only between slices
-    t_slices = [chips[0].slice for chips in trainers]
-    s_slices = Counter(chips[0].slice for chips in samplers)
+    t_slices, s_slices = lay.trainer_slices, lay.sampler_slices
     fsdp_link = "ICI" if len(set(t_slices)) <= 1 else "DCN"
     if fsdp_link == "DCN":
         c.warnings.append(
             f"trainer FSDP dimension spans slices {sorted(set(t_slices))}: its all-gathers and reduce-scatters "
             f"(3x the weights per step) would cross DCN; keep trainer chips inside one slice")
-    for chips in samplers + trainers:
-        if len({(ch.slice, ch.host) for ch in chips}) > 1:  # assign_roles forbids it; kept as a guard
-            c.warnings.append(f"an actor's tensor-parallel dimension crosses hosts at chips "
-                              f"{[ch.global_id for ch in chips]}")
+    for ids in lay.tp_crossing:
+        c.warnings.append(f"an actor's tensor-parallel dimension crosses hosts at chips {ids}")
 
     # -- time
     oversub_s = max(1.0, n_s / hw.cpu["cores"]) if hw.emulated else 1.0  # emulated chips share cores
@@ -206,7 +291,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated, hosts_per_slice)
     if not hw.emulated and c.feasible:  # what TorchTPU cannot run on real chips (docs/tpu.md)
         try:
-            check_real_placement(table.generation, trainers, table.chips_per_host, c.mode)
+            cpr = c.trainer_tp if c.trainer_tp != 1 else 0
+            check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode, cpr)
         except ConfigError as e:
             c.feasible, c.reason = False, str(e)
     sample_s = sum(sample.values()) * oversub_s
@@ -287,11 +373,12 @@ def rank(cands: list[Candidate]) -> list[Candidate]:
     return sorted(cands, key=key)
 
 
-def evaluate_all(cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape, w: cm.Workload) -> list[Candidate]:
+def evaluate_all(cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape, w: cm.Workload,
+                 detailed: bool = False) -> list[Candidate]:
     out = []
     for c in enumerate_candidates(cfg, table):
         try:
-            out.append(evaluate(c, cfg, table, hw, m, w))
+            out.append(evaluate(c, cfg, table, hw, m, w, detailed))
         except ConfigError as err:  # assign_roles cannot place it on these hosts
             if c.as_configured:
                 raise

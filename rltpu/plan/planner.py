@@ -1,6 +1,6 @@
 """``rltpu plan CONFIG``: which chips sample, which train, whether it fits, what a step costs, and why.
 
-    rltpu plan configs/quickstart.yaml --hardware cpu --out /tmp/plan   # plan.md, plan.html, plan.json
+    rltpu plan configs/quickstart.yaml --hardware cpu --out /tmp/plan   # plan.md, plan.html, plan.json, ranks.csv
     rltpu plan configs/quickstart.yaml --against runs/quickstart        # predicted vs measured per phase
 
 ``make_plan`` reads the same config ``rltpu train`` takes, enumerates placement candidates
@@ -18,6 +18,12 @@ from rltpu.plan import costmodel as cm
 from rltpu.plan import hardware as hwmod
 from rltpu.plan.candidates import Candidate, evaluate_all
 from rltpu.chips.topology import ChipTable
+
+
+# Up to this many chips, reports draw every chip and list every rank, and plan.json keeps every
+# candidate's rank table; beyond it they summarise by host and slice (a person cannot read 6,144
+# rows) and only the shown candidates' tables are kept (plan.json, ranks.csv).
+DETAIL_MAX_CHIPS = 512
 
 
 @dataclass
@@ -50,6 +56,16 @@ class Plan:
     @property
     def as_configured(self) -> Candidate:
         return next(c for c in self.candidates if c.as_configured)
+
+    @property
+    def detailed_report(self) -> bool:
+        return self.table.num_chips <= DETAIL_MAX_CHIPS
+
+    def shown(self) -> list[Candidate]:
+        """The candidates whose chips a report details: the winner (else the config's own placement,
+        as the chip map) and the config's own (``--against``)."""
+        first = self.winner or self.as_configured
+        return [first] + ([self.as_configured] if self.as_configured is not first else [])
 
     def best(self, mode: str) -> Candidate | None:
         return next((c for c in self.candidates if c.mode == mode), None)
@@ -104,7 +120,12 @@ class Plan:
             parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit.")
         return " ".join(parts)
 
-    def to_json(self) -> dict:
+    def to_json(self, rank_tables: bool = True) -> dict:
+        """Every candidate; rank tables for all of them on small clusters, for ``shown()`` ones beyond
+        ``DETAIL_MAX_CHIPS`` (null elsewhere), none with ``rank_tables=False``."""
+        keep = {id(c) for c in (self.candidates if self.detailed_report else self.shown())} \
+            if rank_tables else set()
+
         def cand(c: Candidate) -> dict:
             return {
                 "name": c.name, "mode": c.mode, "runnable": c.runnable, "not_runnable": c.not_runnable,
@@ -117,7 +138,8 @@ class Plan:
                 "activation_checkpointing": c.checkpointing, "feasible": c.feasible, "reason": c.reason,
                 "capacity_bytes": c.capacity, "memory_bytes": c.memory,
                 "phases_s": c.phases.as_dict() if c.phases else None,
-                "sync_route": [h.__dict__ for h in c.route], "warnings": c.warnings, "ranks": c.ranks,
+                "sync_route": [h.__dict__ for h in c.route], "warnings": c.warnings,
+                "ranks": c.ranks if id(c) in keep else None,
             }
 
         return {
@@ -142,8 +164,10 @@ def resolve_hardware(cfg: RunConfig, name: str | None = None, bench: dict | None
     return hwmod.get(name, cfg.cluster.generation, bench)
 
 
-def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = None) -> Plan:
-    """Validate the inputs (one-line ConfigError), then cost and rank every candidate."""
+def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = None,
+              detailed: bool = False) -> Plan:
+    """Validate the inputs (one-line ConfigError), then cost and rank every candidate (from actor
+    counts per host; ``detailed``: from every chip, as a cross-check, see ``candidates.evaluate``)."""
     hw = resolve_hardware(cfg, hardware, bench)
     hwmod.check_topology(cfg.cluster.generation, cfg.cluster.topology)
     table = ChipTable.build(cfg.cluster, emulated=hw.emulated)
@@ -155,5 +179,5 @@ def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = 
     if workload.rows < 1 or workload.seq < 2:
         raise ConfigError(f"the workload is empty ({workload.rows} rows of {workload.seq} tokens); "
                           f"set trainer.prompts_per_step and sampler.max_new_tokens >= 1")
-    cands = evaluate_all(cfg, table, hw, model, workload)
+    cands = evaluate_all(cfg, table, hw, model, workload, detailed)
     return Plan(cfg, hw, model, workload, table, cands)

@@ -6,6 +6,11 @@ best placement ``rltpu train`` runs, when that is another one), ``memory-bars`` 
 stacked, against HBM), ``timeline`` (one step per candidate), ``ranked``, ``ranks`` (rank -> chip),
 ``route`` (weight-sync hops). A few lines of inline script only set ``data-check`` on <body>
 once those elements exist, so a headless browser can tell the page rendered without errors.
+
+Beyond ``DETAIL_MAX_CHIPS`` chips (a 6,144-chip v5p slice) a page of every chip and every rank would
+be tens of MB nobody reads: the chip map draws one cell per host, ``ranks`` lists runs of ranks by
+host, a ``<details>`` per slice holds one row per host, and the full rank table goes to
+``plan.json`` and ``ranks.csv`` (``ranks_csv``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,52 @@ MEM_COLOURS = ["#3b7dd8", "#e8832a", "#2ba36b", "#c94f4f", "#8e5bc6", "#b8a12a",
 
 def _fmt_s(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _span(a, b) -> str:
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def rank_runs(ranks: list[dict]) -> list[list]:
+    """Consecutive ranks of one role on consecutive hosts of one slice, with as many ranks on each
+    host and chips per rank, as one row: [role, ranks, slice, hosts, ranks per host, chips per rank,
+    chip ids]. Two rows for a 6,144-chip placement of 2,048 samplers and 4,096 trainers."""
+    rows: list[list] = []
+    run: list[dict] = []
+
+    def flush():
+        if not run:
+            return
+        per_host: dict = {}
+        for r in run:
+            per_host[r["host"]] = per_host.get(r["host"], 0) + 1
+        ids = [i for r in run for i in r["chips"]]
+        lo, hi = min(ids), max(ids)
+        chips = _span(lo, hi) if hi - lo + 1 == len(ids) else f"{len(ids)} in {lo}-{hi}"
+        rows.append([run[0]["role"], _span(run[0]["rank"], run[-1]["rank"]), run[0]["slice"],
+                     _span(run[0]["host"], run[-1]["host"]), _span(min(per_host.values()), max(per_host.values())),
+                     len(run[0]["chips"]), chips])
+        run.clear()
+
+    for r in ranks:
+        if run:
+            last = run[-1]
+            same = (r["role"], r["slice"], len(r["chips"])) == (last["role"], last["slice"], len(last["chips"]))
+            if not (same and r["rank"] == last["rank"] + 1 and 0 <= r["host"] - last["host"] <= 1):
+                flush()
+        run.append(r)
+    flush()
+    return rows
+
+
+def ranks_csv(plan: Plan) -> str:
+    """Every rank of the chip map's candidate, one line each: role,rank,slice,host,chips,coords
+    (chips space-separated, coords as x:y:z)."""
+    win = plan.winner or plan.as_configured
+    lines = [f"# {win.name}", "role,rank,slice,host,chips,coords"]
+    lines += [f"{r['role']},{r['rank']},{r['slice']},{r['host']},{' '.join(map(str, r['chips']))},"
+              f"{' '.join(':'.join(map(str, c)) for c in r['coords'])}" for r in win.ranks]
+    return "\n".join(lines) + "\n"
 
 
 def _rows(plan: Plan, top: int):
@@ -69,8 +120,15 @@ def markdown(plan: Plan, top: int = 12) -> str:
         out += ["", "Weight-sync route:", "", "| hop | link | from | to | bytes | time |", "|---|---|---|---|---|---|"]
         out += [f"| {h.what} | {h.link} | {h.src} | {h.dst} | {fmt_bytes(h.bytes)} | {_fmt_s(h.seconds)} |"
                 for h in win.route]
-        out += ["", "Rank -> chip:", "", "| role | rank | slice | host | chips |", "|---|---|---|---|---|"]
-        out += [f"| {r['role']} | {r['rank']} | {r['slice']} | {r['host']} | {r['chips']} |" for r in win.ranks]
+        if plan.detailed_report:
+            out += ["", "Rank -> chip:", "", "| role | rank | slice | host | chips |", "|---|---|---|---|---|"]
+            out += [f"| {r['role']} | {r['rank']} | {r['slice']} | {r['host']} | {r['chips']} |" for r in win.ranks]
+        else:
+            out += ["", f"Rank -> chip, by runs of hosts ({len(win.ranks)} ranks; every rank in plan.json and "
+                        f"ranks.csv with --out):", "",
+                    "| role | ranks | slice | hosts | ranks per host | chips per rank | chips |",
+                    "|---|---|---|---|---|---|---|"]
+            out += ["| " + " | ".join(map(str, r)) + " |" for r in rank_runs(win.ranks)]
         if win.warnings:
             out += ["", "Mesh warnings:", ""] + [f"- {x}" for x in win.warnings]
     out += ["", "## Hardware figures", ""]
@@ -115,6 +173,102 @@ def _chip_map(plan: Plan, win=None, svg_id: str = "chip-map") -> str:
     width = max(x0, lx + 20)
     return (f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'role="img" aria-label="chip map">{"".join(parts)}</svg>')
+
+
+def _by_host(win) -> dict:
+    """(slice, host) -> {role: [chips, ranks]} from a candidate's rank table."""
+    out: dict = {}
+    for r in win.ranks:
+        ent = out.setdefault((r["slice"], r["host"]), {}).setdefault(r["role"], [0, []])
+        ent[0] += len(r["chips"])
+        ent[1].append(r["rank"])
+    return out
+
+
+def _host_text(roles: dict, n: int) -> str:
+    parts = [f"{role} rank{'s' if len(rk) > 1 else ''} {_span(min(rk), max(rk))}"
+             if max(rk) - min(rk) + 1 == len(rk) else f"{role} {len(rk)} ranks" for role, (_, rk) in roles.items()]
+    idle = n - sum(k for k, _ in roles.values())
+    return "; ".join(parts + ([f"{idle} idle"] if idle else [])) or "idle"
+
+
+def _host_map(plan: Plan, win, svg_id: str = "chip-map") -> str:
+    """One cell per host (the host's block of the slice), coloured by the roles of its chips, planes
+    of a 3-D slice side by side and wrapped; hover for the ranks. ``data-n``: the host's chips."""
+    t = plan.table
+    dims = [int(d) for d in t.topology.split("x")]
+    hosts = t.hosts()
+    first = t.chips_on(*hosts[0])
+    nd = len(dims)
+    block = [max(c.coords[d] for c in first) - min(c.coords[d] for c in first) + 1 for d in range(nd)]
+    nb = [d // b for d, b in zip(dims, block)]
+    gx, gy, planes = nb[0], nb[1] if nd > 1 else 1, nb[2] if nd > 2 else 1
+    cell = 12
+    plane_w, plane_h = gx * cell + 10, gy * cell + 10
+    per_row = max(1, min(planes, 1150 // plane_w))
+    slice_h = -(-planes // per_row) * plane_h + 22
+    summary = _by_host(win)
+    parts = []
+    for si in range(t.num_slices):
+        parts.append(f'<text x="10" y="{si * slice_h + 14}" font-size="12">slice {si}: '
+                     f'{len(hosts) // t.num_slices} hosts of {t.chips_per_host} chips, one square per host'
+                     f'{f", {planes} planes along the last dim" if planes > 1 else ""}</text>')
+    for key in hosts:
+        chips = t.chips_on(*key)
+        o = chips[0].coords  # index 0 is the host block's origin
+        z = o[2] // block[2] if nd > 2 else 0
+        x = 10 + (z % per_row) * plane_w + (o[0] // block[0]) * cell
+        y = key[0] * slice_h + 22 + (z // per_row) * plane_h + ((o[1] // block[1]) * cell if nd > 1 else 0)
+        roles = summary.get(key, {})
+        title = f"<title>slice {key[0]} host {key[1]}: {_host_text(roles, len(chips))}</title>"
+        counts = {role: roles[role][0] for role in ROLE_COLOURS if role in roles}
+        idle = len(chips) - sum(counts.values())
+        if idle:
+            counts["idle"] = idle
+        if len(counts) == 1:
+            role = next(iter(counts))
+            parts.append(f'<rect class="host" data-n="{len(chips)}" data-role="{role}" x="{x}" y="{y}" '
+                         f'width="{cell - 2}" height="{cell - 2}" fill="{ROLE_COLOURS[role]}">{title}</rect>')
+            continue
+        stripes, sx = [], float(x)
+        for role, k in counts.items():
+            wpx = (cell - 2) * k / len(chips)
+            stripes.append(f'<rect x="{sx:.1f}" y="{y}" width="{wpx:.1f}" height="{cell - 2}" '
+                           f'fill="{ROLE_COLOURS[role]}"/>')
+            sx += wpx
+        parts.append(f'<g class="host" data-n="{len(chips)}" data-role="mixed">{title}{"".join(stripes)}</g>')
+    height = t.num_slices * slice_h + 20
+    lx = 10
+    for role, col in ROLE_COLOURS.items():
+        parts.append(f'<rect x="{lx}" y="{height - 15}" width="10" height="10" fill="{col}"/>'
+                     f'<text x="{lx + 14}" y="{height - 6}" font-size="11">{role}</text>')
+        lx += 110
+    width = max(10 + per_row * plane_w, lx + 20)
+    return (f'<svg id="{svg_id}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'role="img" aria-label="chip map, one cell per host">{"".join(parts)}</svg>')
+
+
+def _host_details(plan: Plan, win) -> str:
+    """A closed ``<details>`` per slice: one row per host (its chips and ranks), read on demand."""
+    t = plan.table
+    summary = _by_host(win)
+    out = []
+    for si in range(t.num_slices):
+        keys = [k for k in t.hosts() if k[0] == si]
+        rows, tally = [], {}
+        for key in keys:
+            chips = t.chips_on(*key)
+            roles = summary.get(key, {})
+            for role, (k, _) in roles.items():
+                tally[role] = tally.get(role, 0) + k
+            rows.append(f"<tr><td>{key[1]}</td><td>{_span(chips[0].global_id, chips[-1].global_id)}</td>"
+                        f"<td>{html.escape(_host_text(roles, len(chips)))}</td></tr>")
+        what = ", ".join(f"{k} {role}" for role, k in tally.items()) or "idle"
+        out.append(f'<details class="slice-hosts" data-slice="{si}"><summary>slice {si} '
+                   f'({html.escape(t.slice_name(si))}): {len(keys)} hosts; chips: {what}</summary>'
+                   f'<table><thead><tr><th>host</th><th>chips</th><th>ranks</th></tr></thead>'
+                   f'<tbody>{"".join(rows)}</tbody></table></details>')
+    return "".join(out)
 
 
 def _memory_bars(plan: Plan) -> str:
@@ -189,6 +343,7 @@ _CHECK = """<script>
   var ids = ["label", "why", "chip-map", "memory-bars", "timeline", "ranked", "ranks", "route"];
   var missing = ids.filter(function (i) { return !document.getElementById(i); });
   var chips = document.querySelectorAll("#chip-map rect.chip").length;
+  document.querySelectorAll("#chip-map .host").forEach(function (h) { chips += Number(h.getAttribute("data-n")); });
   var phases = document.querySelectorAll("#timeline rect.phase").length;
   document.body.setAttribute("data-check", missing.length ? "missing:" + missing.join(",") : "ok");
   document.body.setAttribute("data-chips", String(chips));
@@ -208,7 +363,16 @@ def html_page(plan: Plan, top: int = 12) -> str:
                        f"{fmt_bytes(peak)} / {fmt_bytes(c.capacity)}",
                        "; ".join(x for x in ["as configured" if c.as_configured else "", c.not_runnable, c.reason,
                                              *c.warnings] if x)])
-    ranks = [[r["role"], r["rank"], r["slice"], r["host"], r["chips"]] for r in win.ranks]
+    chip_map = _chip_map if plan.detailed_report else _host_map
+    if plan.detailed_report:
+        ranks = _table("ranks", ["role", "rank", "slice", "host", "chips"],
+                       [[r["role"], r["rank"], r["slice"], r["host"], r["chips"]] for r in win.ranks])
+    else:
+        ranks = (f"<p>{len(win.ranks)} ranks on {plan.table.num_chips} chips, by runs of hosts; every rank is in "
+                 f"plan.json and ranks.csv, every host in the per-slice lists below.</p>"
+                 + _table("ranks", ["role", "ranks", "slice", "hosts", "ranks per host", "chips per rank", "chips"],
+                          rank_runs(win.ranks))
+                 + _host_details(plan, win))
     route = [[h.what, h.link, h.src, h.dst, fmt_bytes(h.bytes), _fmt_s(h.seconds)] for h in win.route]
     w, m = plan.workload, plan.model
     style = ("body{font:14px system-ui,sans-serif;margin:24px;max-width:1200px;color:#222}"
@@ -221,21 +385,22 @@ def html_page(plan: Plan, top: int = 12) -> str:
         f"<p>Model {m.params / 1e6:.2f}M params, {m.layers} layers, hidden {m.hidden}, {m.dtype}; "
         f"{w.prompts} prompts x {w.group} = {w.rows} rows of {w.prompt_len}+{w.new_tokens} tokens.</p>",
         f'<h2>Why</h2><p id="why">{html.escape(plan.why())}</p>',
-        f"<h2>Chip map ({html.escape(win.name)})</h2>", _chip_map(plan),
+        f"<h2>Chip map ({html.escape(win.name)})</h2>", chip_map(plan, win),
         *([f"<h3>Best placement rltpu train can run ({html.escape(plan.best_runnable.name)})</h3>",
-           _chip_map(plan, plan.best_runnable, "chip-map-runnable")]
+           chip_map(plan, plan.best_runnable, "chip-map-runnable")]
           if plan.best_runnable is not None and plan.best_runnable is not win else []),
         "<h2>Memory per chip</h2>", _memory_bars(plan),
         "<h2>One step per candidate</h2>", _timeline(plan),
         "<h2>Ranked candidates</h2>",
         _table("ranked", ["#", "candidate", "runs in rltpu train", "fits", "step", "sample", "train", "sync",
                           "peak mem / chip", "note"], ranked),
-        "<h2>Rank &rarr; chip</h2>", _table("ranks", ["role", "rank", "slice", "host", "chips"], ranks),
+        "<h2>Rank &rarr; chip</h2>", ranks,
         "<h2>Weight-sync route</h2>", _table("route", ["hop", "link", "from", "to", "bytes", "time"], route),
         "<h2>Hardware figures</h2>",
         _table("sources", ["figure", "source", "unconfirmed"],
                [[k, v, "yes" if k in plan.hw.unconfirmed else ""] for k, v in plan.hw.sources.items()]),
-        f'<script type="application/json" id="plan-json">{html.escape(json.dumps(plan.to_json(), default=str))}</script>',
+        f'<script type="application/json" id="plan-json">'
+        f'{html.escape(json.dumps(plan.to_json(plan.detailed_report), default=str))}</script>',
     ]
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>rltpu plan</title><style>{style}</style>'
             f'</head><body>{"".join(body)}{_CHECK}</body></html>\n')
