@@ -13,6 +13,9 @@ row has emitted a stop token or the request's token limit is reached. Logprobs a
 ``softmax(logits / temperature)`` (``T = 1`` when greedy), the distribution the trainer scores,
 before top-k / top-p truncation.
 
+Over k devices (``devices=``, one sampler's ``placement.chips_per_sampler`` chips) the same
+programs are compiled for a mesh and GSPMD partitions them: see ``rltpu.sampling.tp``.
+
 Testable without Ray; ``actors/sampler_actor.py`` only forwards to it.
 """
 
@@ -62,7 +65,13 @@ def pick_bucket(value: int, buckets: tuple[int, ...], what: str) -> int:
 
 
 class SamplerEngine:
-    def __init__(self, model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict):
+    """``devices``: None (the default device; the unsharded engine) or the k devices (or just k:
+    the first k) of one sampler, ``placement.chips_per_sampler`` of them. With k > 1 the engine
+    builds a mesh over them (``rltpu.sampling.tp``): weights live in their ``param_shardings``,
+    the KV cache is split by kv heads, and every program is compiled for the mesh."""
+
+    def __init__(self, model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict,
+                 devices=None):
         self.mcfg, self.cfg = model_cfg, sampler_cfg
         self.vocab_size, self.pad_id, self.eos_id = vocab_size, pad_id, eos_id
         self.stop_ids = tuple(dict.fromkeys((eos_id, *sampler_cfg.stop_token_ids)))
@@ -74,6 +83,26 @@ class SamplerEngine:
         self.version = -1
         self.stats = SamplerStats()
         self._compiled: dict[tuple[int, int, int], object] = {}
+        self.mesh = self.layout = self.param_shardings = None
+        if isinstance(devices, int):
+            devices = jax.devices()[:devices]
+        if devices is not None and len(devices) > 1:
+            from jax.sharding import NamedSharding
+
+            from rltpu.sampling import tp
+
+            v = self.param_structs["model.embed_tokens.weight"].shape[0]
+            self.layout = tp.plan(model_cfg, v, len(devices))
+            self.mesh = tp.make_mesh(list(devices), self.layout)
+            self.param_shardings = {k: NamedSharding(self.mesh, tp.param_spec(k, len(s.shape), self.layout))
+                                    for k, s in self.param_structs.items()}
+            self._replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            self._cache_sharding = NamedSharding(self.mesh, tp.cache_spec())
+
+    @property
+    def tp(self) -> int:
+        """Devices this engine spans (1: unsharded)."""
+        return self.layout.k if self.layout else 1
 
     # -- weights -----------------------------------------------------------------------------
     def set_params(self, params: dict, version: int) -> None:
@@ -83,7 +112,25 @@ class SamplerEngine:
         for k, s in self.param_structs.items():
             if tuple(params[k].shape) != s.shape:
                 raise ValueError(f"weight {k} has shape {tuple(params[k].shape)}, expected {s.shape}")
+        if self.mesh is not None:
+            params = self.place(params)
         self.params, self.version = params, version
+
+    def place(self, params: dict) -> dict:
+        """Put each named array (numpy, or a JAX array anywhere) into this engine's sharding for it:
+        each device receives only its slice. A no-op for arrays already placed (e.g. by
+        ``load_jax_params(..., shardings=engine.param_shardings)`` or weight sync's
+        ``device_put_params(tensors, engine.param_shardings)``)."""
+        if self.mesh is None:
+            return dict(params)
+        return {k: jax.device_put(v, self.param_shardings[k]) if k in self.param_shardings else v
+                for k, v in params.items()}
+
+    def device_weight_bytes(self) -> dict:
+        """Weight bytes held per device (its addressable shards)."""
+        from rltpu.sampling.tp import device_weight_bytes
+
+        return device_weight_bytes(self.params or {})
 
     # -- the compiled program ------------------------------------------------------------------
     def _sample_fn(self):
@@ -121,12 +168,18 @@ class SamplerEngine:
         S, pad = P + T, self.pad_id
         stop = jnp.asarray(self.stop_ids, jnp.int32)
         sample = self._sample_fn()
+        if self.mesh is None:
+            def shard_cache(cache):
+                return cache
+        else:  # split by kv heads; GSPMD then keeps each device's heads local through the loop
+            def shard_cache(cache):
+                return jax.lax.with_sharding_constraint(cache, self._cache_sharding)
 
         def generate(params, prompt, prompt_mask, key, n_real, limit):
             B = prompt.shape[0]  # prompt: (B, P) left-padded; rows >= n_real only fill the bucket
             positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=-1) - 1, 0).astype(jnp.int32)
             kv_mask = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompt_mask)
-            cache = jax_llama.init_cache(mcfg, B, S, self.dtype)  # L x (B, kv_heads, S, head_dim), k and v
+            cache = shard_cache(jax_llama.init_cache(mcfg, B, S, self.dtype))  # L x (B, kv_heads, S, head_dim)
             logits, cache = jax_llama.forward_with_cache(params, mcfg, prompt, positions, cache, 0, kv_mask)
             state = dict(
                 i=jnp.int32(0), logits=logits[:, -1], pos=positions[:, -1] + 1, cache=cache, kv_mask=kv_mask,
@@ -150,8 +203,8 @@ class SamplerEngine:
                     params, mcfg, tok[:, None], s["pos"][:, None], s["cache"], slot, kv_mask
                 )
                 done = s["done"] | jnp.isin(tok, stop)
-                return dict(i=s["i"] + 1, logits=logits[:, 0], pos=s["pos"] + 1, cache=cache, kv_mask=kv_mask,
-                            key=key, done=done, tokens=tokens, logprobs=logprobs)
+                return dict(i=s["i"] + 1, logits=logits[:, 0], pos=s["pos"] + 1, cache=shard_cache(cache),
+                            kv_mask=kv_mask, key=key, done=done, tokens=tokens, logprobs=logprobs)
 
             out = jax.lax.while_loop(cond, body, state)
             is_stop = jnp.isin(out["tokens"], stop)
@@ -173,7 +226,13 @@ class SamplerEngine:
             jax.ShapeDtypeStruct((), i32),
             jax.ShapeDtypeStruct((), i32),
         )
-        self._compiled[(rows, prompt_len, T)] = jax.jit(self._program(prompt_len, T)).lower(*args).compile()
+        if self.mesh is None:
+            fn = jax.jit(self._program(prompt_len, T))
+        else:  # weights in their shardings, everything else (and every output) replicated
+            r = self._replicated
+            fn = jax.jit(self._program(prompt_len, T), in_shardings=(self.param_shardings, r, r, r, r, r),
+                         out_shardings=r)
+        self._compiled[(rows, prompt_len, T)] = fn.lower(*args).compile()
         dt = time.perf_counter() - t0
         from_cache = _CACHE_HITS[0] > hits0
         self.stats.compiles += 1
@@ -249,10 +308,10 @@ class SamplerEngine:
         if (rows, plen, T) not in self._compiled:
             self.compile_bucket(rows, plen, T)
         t0 = time.perf_counter()
-        out = self._compiled[(rows, plen, T)](
-            self.params, jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed), jnp.int32(R),
-            jnp.int32(n_new),
-        )
+        inputs = (jnp.asarray(prompt), jnp.asarray(mask), jax.random.PRNGKey(seed), jnp.int32(R), jnp.int32(n_new))
+        if self.mesh is not None:
+            inputs = jax.device_put(inputs, self._replicated)
+        out = self._compiled[(rows, plen, T)](self.params, *inputs)
         tokens, logprobs, lengths, steps = jax.device_get(out)
         program_s = time.perf_counter() - t0
         lengths = np.asarray(lengths)[:R]

@@ -76,12 +76,18 @@ def build_policy(cfg, vocab_size: int, parallelize=None, device: str = "cpu"):
     return model
 
 
-def load_jax_params(cfg, vocab_size: int | None = None, dtype: Any = None) -> dict:
+def load_jax_params(cfg, vocab_size: int | None = None, dtype: Any = None, shardings: dict | None = None) -> dict:
     """The sampler's params (HF names, torch layout) from ``cfg.path``, one tensor at a time, cast
-    to ``cfg.dtype`` (or ``dtype``)."""
+    to ``cfg.dtype`` (or ``dtype``). With ``shardings`` (a tensor-parallel engine's
+    ``param_shardings``) each tensor goes from host memory straight into its sharding, so no
+    device ever holds a whole copy of a split tensor."""
+    import jax
     import jax.numpy as jnp
 
     ckpt = CheckpointDir(cfg.path)
     want = ckpt.check(cfg, vocab_size)
     dt = dtype or (jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
+    if shardings is not None:
+        host = jnp.dtype(dt)
+        return {name: jax.device_put(ckpt.read_numpy(name).astype(host, copy=False), shardings[name]) for name in want}
     return {name: jnp.asarray(ckpt.read_numpy(name)).astype(dt) for name in want}
