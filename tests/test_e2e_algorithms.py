@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
 pytestmark = pytest.mark.slow
 STEPS = 30
+TARGET = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,16 @@ def ray_head():
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "grpo"])
 def test_preset_learns(preset, ray_head, tmp_path):
     run_dir = tmp_path / "run"
+    # stop once the claim is shown (last-5 mean >= 0.3 > first 5 + 0.1; first 5 is ~0.08), except where
+    # the checks below need the whole run (DAPO's refill rounds, PPO's critic following the returns)
+    whole = preset in ("dapo", "ppo")
+    stop = ["trainer.target_reward=null"] if whole else [f"trainer.target_reward={TARGET}"]
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}",
-           "progress=false", f"trainer.steps={STEPS}", *PRESETS[preset], "--address", ray_head]
+           "progress=false", f"trainer.steps={STEPS}", *PRESETS[preset], *stop, "--address", ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(run_dir / "metrics.jsonl")
-    assert len(m) == STEPS
+    assert len(m) == STEPS or (not whole and 5 < len(m) < STEPS and f"target_reward={TARGET} reached" in res.stderr)
     first5 = sum(r["reward_mean"] for r in m[:5]) / 5
     last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
     assert last5 > first5 + 0.1, (preset, first5, last5)

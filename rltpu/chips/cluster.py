@@ -170,9 +170,15 @@ def start_emulated_nodes(table: ChipTable, bind_host: str, temp_dir: str) -> str
     same multi-node cluster they would on hardware. Only processes started here are stopped by
     :func:`stop_emulated_nodes` (never ``ray stop``). Returns the GCS address."""
     global _EMULATED
+    import ray._private.utils as ray_utils
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(shutdown_at_exit=True)
+    # Cluster.add_node writes the head's address to Ray's global /tmp/ray/ray_current_cluster, which
+    # fails where /tmp/ray does not exist (a fresh machine) and would point a user's later
+    # `ray.init()` at this private cluster: write it into the run's own Ray temp dir instead
+    write_address = ray_utils.write_ray_address
+    ray_utils.write_ray_address = lambda address, into=None: write_address(address, into or temp_dir)
     try:
         for i, host in enumerate(table.hosts()):
             resources, labels = emulated_node_spec(table, *host)
@@ -184,6 +190,8 @@ def start_emulated_nodes(table: ChipTable, bind_host: str, temp_dir: str) -> str
     except Exception:
         cluster.shutdown()
         raise
+    finally:
+        ray_utils.write_ray_address = write_address
     _EMULATED = cluster
     return cluster.address
 
