@@ -281,9 +281,9 @@ def test_cpu_sample_and_sync_seconds_by_hand():
 
 # -- acceptance 4: nonsense inputs are one-line errors -----------------------------------------------
 
-def run_plan(*args, cwd=None):
+def run_plan(*args, cwd=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "rltpu.cli", "plan", *map(str, args)], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -429,12 +429,15 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
 
 @pytest.fixture(scope="module")
 def quickstart_against(tmp_path_factory, shared_ray_head):
-    """Plan the quickstart on this machine's cpu entry (cached micro-benchmark), train the
+    """Plan the quickstart on this machine's cpu entry (micro-benchmark measured now), train the
     quickstart as configured for 20 steps with `rltpu train`, then compare per phase; and train the
     `--write-config` placement (whatever mode won) for a few steps, to show it runs."""
     tmp = tmp_path_factory.mktemp("against")
     out = tmp / "placed.yaml"
-    res = run_plan(QUICKSTART, "--hardware", "cpu", "--write-config", out, "--out", tmp / "report")
+    # --rebench: the micro-benchmark is measured now, beside the run it is compared with; a cached one
+    # may come from a moment when the shared machine was busier (the cache outlives the test session)
+    res = run_plan(QUICKSTART, "--hardware", "cpu", "--rebench", "--write-config", out, "--out", tmp / "report",
+                   timeout=600)
     assert res.returncode == 0, res.stderr
     for cfg, steps, run in ((QUICKSTART, 20, tmp / "run"), (out, 3, tmp / "placed_run")):
         train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}",
