@@ -49,7 +49,13 @@ class WandbLogger:
         self.run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
+        """``finish`` hands the last records to W&B's service process, which may still be writing the
+        offline ``run-*.wandb`` file when it returns; ``teardown`` waits for the service to exit, so
+        the file is complete (what ``wandb sync`` uploads) before the run reports done."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 def mlflow_tracking_uri(run_dir: Path) -> str:
