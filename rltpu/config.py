@@ -292,7 +292,15 @@ class SamplerConfig(_Section):
     prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
     new_token_buckets: tuple[int, ...] | None = None  # None: (max_new_tokens,)
     truncate_prompts: bool = False  # too-long prompts: False = error, True = keep their last tokens
-    microbatch_rows: int = Field(0, ge=0)  # >0: run a request as sequential micro-batches of this many rows
+    microbatch_rows: int = Field(0, ge=0)  # static engine: >0 runs a request as sequential micro-batches
+    # "continuous" (rltpu/sampling/continuous.py): one prefill per prompt shared by its G samples, a
+    # fixed grid of decode slots refilled between chunks, a paged KV cache; "static": one compiled
+    # program per (rows, prompt, new tokens) cell that decodes until its longest row stops
+    engine: Literal["continuous", "static"] = "static"
+    slots: int = Field(0, ge=0)  # continuous: decode slots (0 = max(batch_buckets))
+    decode_chunk: int = Field(8, ge=1)  # continuous: decode steps per compiled call (host admits between)
+    kv_page_size: int = Field(16, ge=1)  # continuous: tokens per KV page (capped at max new tokens)
+    kv_pages: int = Field(0, ge=0)  # continuous: pages in the KV pool (0 = auto, 40% of a dense cache)
     precompile: bool = True  # compile every bucket at actor start
     compile_cache: bool = True  # JAX persistent compilation cache in <run_dir>/jax_cache
 
@@ -311,6 +319,15 @@ class SamplerConfig(_Section):
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} exceeds the largest new_token_buckets entry "
                 f"{max(self.new_token_buckets)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_knobs(self) -> "SamplerConfig":
+        if self.engine == "continuous" and self.microbatch_rows:
+            raise ValueError(
+                f"microbatch_rows={self.microbatch_rows} applies to sampler.engine=static (continuous batching "
+                f"already ends each row on its own); set sampler.engine=static or sampler.microbatch_rows=0"
             )
         return self
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltpu.models import jax_llama
+from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, token_chooser
 
 _CACHE_HITS = [0]  # process-wide count of persistent-cache loads (JAX reports them as events)
 
@@ -57,13 +58,6 @@ class SamplerStats:
     compile_log: list = field(default_factory=list)  # [(rows, prompt_len, new_tokens, seconds, from_cache)]
 
 
-def pick_bucket(value: int, buckets: tuple[int, ...], what: str) -> int:
-    for b in buckets:
-        if value <= b:
-            return b
-    raise ValueError(f"{what}={value} exceeds the largest bucket {max(buckets)}; add a larger bucket to the config")
-
-
 class SamplerEngine:
     """``devices``: None (the default device; the unsharded engine) or the k devices (or just k:
     the first k) of one sampler, ``placement.chips_per_sampler`` of them. With k > 1 the engine
@@ -83,6 +77,7 @@ class SamplerEngine:
         self.version = -1
         self.stats = SamplerStats()
         self._compiled: dict[tuple[int, int, int], object] = {}
+        self._continuous = None  # the continuous sampler, built on first use (``continuous``)
         self.mesh = self.layout = self.param_shardings = None
         if isinstance(devices, int):
             devices = jax.devices()[:devices]
@@ -134,32 +129,10 @@ class SamplerEngine:
 
     # -- the compiled program ------------------------------------------------------------------
     def _sample_fn(self):
-        cfg = self.cfg
-        greedy, temperature, top_p, top_k = cfg.temperature == 0, cfg.temperature or 1.0, cfg.top_p, cfg.top_k
+        choose = token_chooser(self.cfg)
 
         def sample(logits, key):  # logits (B, V) float32 -> tokens (B,), logprobs (B,)
-            scaled = logits / temperature
-            logp_all = jax.nn.log_softmax(scaled, axis=-1)
-            if greedy:
-                tok = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-            else:
-                if top_k > 0:
-                    kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][:, -1:]  # (B, 1)
-                    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-                if top_p < 1.0:
-                    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-                    probs = jax.nn.softmax(sorted_logits, axis=-1)
-                    # tokens whose preceding cumulative mass is < top_p form the nucleus (>= 1 token)
-                    k = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1)
-                    cutoff = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-                    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-                # inverse CDF: one uniform per row instead of B x V Gumbels (3x cheaper per step on
-                # CPU). u in (0, 1], so the first index whose CDF reaches u * total has p > 0.
-                cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
-                u = 1.0 - jax.random.uniform(key, (scaled.shape[0], 1), jnp.float32)
-                tok = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
-                tok = jnp.minimum(tok, scaled.shape[-1] - 1).astype(jnp.int32)
-            return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+            return choose(logits, jax.random.uniform(key, (logits.shape[0], 1), jnp.float32))
 
         return sample
 
@@ -216,7 +189,7 @@ class SamplerEngine:
     def compile_bucket(self, rows: int, prompt_len: int, new_tokens: int | None = None) -> float:
         """Build one grid cell ahead of time (compile, or load from the disk cache); returns seconds."""
         T = new_tokens or self.cfg.new_tokens_grid[-1]
-        t0, hits0 = time.perf_counter(), _CACHE_HITS[0]
+        t0, hits0 = self._compile_mark()
         i32 = jnp.int32
         args = (
             self.param_structs,
@@ -233,16 +206,37 @@ class SamplerEngine:
             fn = jax.jit(self._program(prompt_len, T), in_shardings=(self.param_shardings, r, r, r, r, r),
                          out_shardings=r)
         self._compiled[(rows, prompt_len, T)] = fn.lower(*args).compile()
+        return self._compile_done((rows, prompt_len, T), t0, hits0)
+
+    def _compile_mark(self) -> tuple[float, int]:
+        return time.perf_counter(), _CACHE_HITS[0]
+
+    def _compile_done(self, cell: tuple, t0: float, hits0: int) -> float:
+        """Count one built program: ``cell`` (3 fields) + seconds + from_cache go to ``compile_log``."""
         dt = time.perf_counter() - t0
         from_cache = _CACHE_HITS[0] > hits0
         self.stats.compiles += 1
         self.stats.cache_hits += int(from_cache)
         self.stats.compile_seconds += dt
-        self.stats.compile_log.append((rows, prompt_len, T, round(dt, 3), from_cache))
+        self.stats.compile_log.append((*cell, round(dt, 3), from_cache))
         return dt
 
-    def precompile(self, cells: list[tuple[int, int, int]] | None = None) -> list:
-        """Build every cell of the grid (or the given ``(rows, prompt_len, new_tokens)`` subset)."""
+    @property
+    def continuous(self):
+        """The continuous-batching sampler over this engine's weights (built on first use)."""
+        if self._continuous is None:
+            from rltpu.sampling.continuous import ContinuousSampler
+
+            self._continuous = ContinuousSampler(self)
+        return self._continuous
+
+    def precompile(self, cells: list[tuple[int, int, int]] | None = None, engine: str | None = None) -> list:
+        """Build every program of ``engine`` (default ``sampler.engine``): the continuous sampler's
+        prefill and decode-chunk programs, or the static grid (or the given ``(rows, prompt_len,
+        new_tokens)`` subset of it)."""
+        if (engine or self.cfg.engine) == "continuous" and cells is None:
+            self.continuous.precompile()
+            return list(self.stats.compile_log)
         if cells is None:
             cells = [(r, p, t) for r in self.cfg.batch_buckets for p in self.cfg.prompt_buckets
                      for t in self.cfg.new_tokens_grid]
@@ -263,7 +257,7 @@ class SamplerEngine:
         return [p[-limit:] for p in prompts], len(too_long)  # keep the end, nearest the answer
 
     def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int,
-                 max_new_tokens: int | None = None) -> dict:
+                 max_new_tokens: int | None = None, engine: str | None = None) -> dict:
         """Sample ``n_per_prompt`` completions per prompt (rows prompt-major: p0 x G, p1 x G, ...).
 
         Returns numpy arrays: ``prompt`` (R, P) left-padded, ``prompt_mask``, ``tokens`` (R, N)
@@ -273,6 +267,8 @@ class SamplerEngine:
         With ``sampler.microbatch_rows`` the request runs as sequential micro-batches that each
         exit when *their* rows finish, instead of one batch that waits for its longest row.
         """
+        if (engine or self.cfg.engine) == "continuous":
+            return self.continuous.generate(prompts, n_per_prompt, seed, max_new_tokens)
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
         prompts, truncated = self._fit_prompts(prompts)
@@ -284,8 +280,8 @@ class SamplerEngine:
                  for i in range(0, len(prompts), mb)]
         out = {k: np.concatenate([p[k] for p in parts]) for k in
                ("prompt", "prompt_mask", "tokens", "logprobs", "lengths")}
-        for k in ("new_tokens", "decode_steps", "compiles", "compile_seconds",
-                  "padded_slots", "total_slots", "seconds", "program_seconds", "host_seconds"):
+        for k in ("new_tokens", "decode_steps", "compiles", "compile_seconds", "padded_slots", "total_slots",
+                  "seconds", "program_seconds", "host_seconds", "slot_steps", "prefill_tokens", "prefill_flops"):
             out[k] = sum(p[k] for p in parts)
         return out | {"version": self.version, "bucket": parts[0]["bucket"], "microbatches": len(parts),
                       "truncated_prompts": truncated}
@@ -329,7 +325,19 @@ class SamplerEngine:
             # time inside the compiled program vs in Python around it (padding, host copies)
             "seconds": program_s, "program_seconds": program_s,
             "host_seconds": time.perf_counter() - t_call - program_s - compile_s,
+            # the counters the continuous sampler reports too: every row prefills its prompt, every
+            # bucket row takes a slot for every decode step
+            "engine": "static", "slot_steps": decode_slots, "occupancy": new_tokens / max(decode_slots, 1),
+            "slot_steps_per_token": decode_slots / max(new_tokens, 1), "prefill_tokens": real_prompt,
+            "prefill_flops": prefill_flops(self.mcfg, matmul_params(self.param_structs, self.mcfg.tie_word_embeddings),
+                                           mask[:R].sum(axis=1)),
+            "kv_dense_bytes": self.dense_cache_bytes(rows, plen + T),
         }
+
+    def dense_cache_bytes(self, rows: int, seq_len: int) -> int:
+        """K + V bytes of ``jax_llama.init_cache`` for ``rows`` x ``seq_len``, all layers."""
+        m = self.mcfg
+        return 2 * m.num_hidden_layers * rows * m.num_key_value_heads * seq_len * m.head_dim * jnp.dtype(self.dtype).itemsize
 
     def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:
         out = _forward(
