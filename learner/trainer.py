@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from learner.fsdp import checkpoint_layers, full_state_dict, parallelize_llama
+from learner.tp import clip_grad_norm_, tp_degree
 from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
 from learner.losses import LossScale, policy_loss, token_logprobs_entropy, truncated_is_weights, value_loss
 from learner.optim import build_optimizer
@@ -31,7 +32,9 @@ class TrainerEngine:
                  mesh=None, device: str = "cpu", critic_cfg=None):
         self.cfg, self.temperature, self.mesh, self.device = trainer_cfg, temperature, mesh, device
         self.critic_cfg = critic_cfg
-        self.world = mesh.size() if mesh is not None else 1
+        # data-parallel width: the ranks of a TP group share one batch shard and one loss share
+        self.world = (mesh["dp"].size() if mesh.ndim == 2 else mesh.size()) if mesh is not None else 1
+        self.tp = tp_degree(mesh)
         self.step = 0
         # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
         # identical on every rank (same seed)
@@ -82,10 +85,16 @@ class TrainerEngine:
         """Clip, step, schedule: the same operations, collectives (the norm's all-reduce) and shard
         shapes on every rank, so on TorchTPU it runs ``spmd_safe`` (see ``__init__``). The micro-batch
         loop is not marked: its sequence buckets differ between ranks."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = self._clip(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         return norm
+
+    def _clip(self, params, max_norm: float) -> torch.Tensor:
+        """Global grad-norm clip; FSDP x TP gradients sit on two meshes (``learner.tp.clip_grad_norm_``)."""
+        if self.tp > 1:
+            return clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _parallelize(self, model):
         return parallelize_llama(model, self.mesh, self.cfg.mixed_precision, self.cfg.activation_checkpointing)
@@ -174,7 +183,8 @@ class TrainerEngine:
         plan = plan_microbatches(mask, c.micro_batch_tokens, c.seq_bucket, c.length_grouping)
         if self.mesh is not None and self.world > 1:
             n = torch.tensor([len(plan)])
-            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=self.mesh.get_group())
+            group = self.mesh.get_group("dp") if self.mesh.ndim == 2 else self.mesh.get_group()
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=group)
             if int(n) != len(plan):
                 plan = plan_microbatches(mask, c.micro_batch_tokens, c.seq_bucket, c.length_grouping, int(n))
         return plan
@@ -200,7 +210,7 @@ class TrainerEngine:
                                    self.critic_cfg.value_clip)
             loss.backward()
             sq_err, v_sum = sq_err + err, v_sum + float((v.detach() * mask).sum())
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.critic_cfg.grad_clip)
+        self._clip(self.critic.parameters(), self.critic_cfg.grad_clip)
         self.critic_optimizer.step()
         self.critic_scheduler.step()
         return {"value_sq_err_sum": sq_err, "value_sum": v_sum}

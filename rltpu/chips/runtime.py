@@ -36,6 +36,22 @@ def ray_identity() -> dict:
     }
 
 
+def mesh_groups(n_trainers: int, tp: int, rank: int) -> tuple | None:
+    """(dp group, tp group) of trainer ``rank`` in the ``(n_trainers / tp, tp)`` mesh (TP groups are runs
+    of ``tp`` consecutive ranks: one ``assign_roles`` block); None for a non-trainer. Every rank of the
+    world must call it, in the same order (``new_group`` is collective)."""
+    mine_dp = mine_tp = None
+    for d in range(n_trainers // tp):
+        ranks = list(range(d * tp, (d + 1) * tp))
+        g = dist.new_group(ranks)
+        mine_tp = g if rank in ranks else mine_tp
+    for t in range(tp):
+        ranks = list(range(t, n_trainers, tp))
+        g = dist.new_group(ranks)
+        mine_dp = g if rank in ranks else mine_dp
+    return (mine_dp, mine_tp) if rank < n_trainers else None
+
+
 class ProcessRuntime:
     def __init__(self, role: str, rank: int, generation: str, backend_cfg):
         self.role, self.rank, self.generation, self.backend_cfg = role, rank, generation, backend_cfg
@@ -46,6 +62,8 @@ class ProcessRuntime:
         self.backend_info: dict = {}
         self.global_rank = -1
         self.trainer_group = None
+        self.trainer_tp = 1  # tensor-parallel degree of the trainer group (ranks per TP group)
+        self.mesh_groups = None  # (dp, tp) groups of a gloo trainer with trainer_tp > 1 (``mesh_groups``)
         self.fabric = None  # rltpu.sync.collective.SyncFabric of the current sync generation
 
     def claim(self, chips: list[Chip], identity: dict, emulated: bool, launch_env: dict | None = None) -> dict:
@@ -87,15 +105,18 @@ class ProcessRuntime:
         }
 
     def init_process_groups(self, master: str, port: int, world_size: int, global_rank: int,
-                            n_trainers: int, timeout_s: float) -> None:
-        """One world over all trainers and samplers; the FSDP sub-group. Weight sync has its own
-        groups (``join_sync``), so a dead sampler never breaks the trainers' group.
+                            n_trainers: int, timeout_s: float, trainer_tp: int = 1) -> None:
+        """One world over all trainers and samplers; the FSDP sub-group (and with ``trainer_tp > 1`` the
+        dp and tp groups of the trainers' 2-D mesh). Weight sync has its own groups (``join_sync``), so a
+        dead sampler never breaks the trainers' group. On real chips the world is the trainers and
+        ``DeviceMesh`` makes the 2-D mesh's groups itself.
 
         Every rank must create the sub-groups in the same order (``new_group`` is collective).
         """
         if master in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         timeout = timedelta(seconds=timeout_s)
+        self.trainer_tp = trainer_tp
         store = listening_store(master, port, timeout_s, world_size) if global_rank == 0 else \
             dist.TCPStore(master, port, world_size, False, timeout)
         pg_backend = backend.dist_backend(self.backend_info.get("device", "cpu"))
@@ -115,6 +136,8 @@ class ProcessRuntime:
         )
         self.global_rank = global_rank
         self.trainer_group = dist.new_group(list(range(n_trainers)))
+        if trainer_tp > 1:
+            self.mesh_groups = mesh_groups(n_trainers, trainer_tp, global_rank)
 
     def join_sync(self, host: str, port: int, generation: int, me: int, trainer_slices: list[int],
                   sampler_slices: list[int], timeout_s: float) -> dict:
