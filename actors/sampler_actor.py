@@ -42,8 +42,23 @@ class SamplerActor:
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
-            self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
+            self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
+                                        devices=self._devices())
             return self.engine.precompile() if self.cfg.sampler.precompile else []
+
+    def _devices(self):
+        """The JAX devices of this sampler's chips: None for one chip (the unsharded engine), else all
+        of them (a tensor-parallel mesh). JAX must see exactly the claimed chips: libtpu's
+        TPU_VISIBLE_CHIPS on real ones, ``--xla_force_host_platform_device_count`` on emulated ones."""
+        import jax
+
+        k = max(len(self.rt.chips), 1)
+        devices = jax.devices()
+        if len(devices) != k:
+            raise RuntimeError(
+                f"sampler {self.rt.rank}: claimed {k} chips but JAX sees {len(devices)} devices "
+                f"({devices[0].platform}); the chip claim must run before any JAX call in this process")
+        return None if k == 1 else devices
 
     def join_sync(self, *args) -> dict:
         with self.hb.phase("join_sync"):
@@ -61,7 +76,10 @@ class SamplerActor:
             except Exception:
                 self.rt.fabric.close()
                 raise
-            if self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":
+            if self.engine.mesh is not None:  # tensor parallel: each device receives only its slice
+                params, put = device_put_params(tensors, self.engine.param_shardings)
+                zero = 0
+            elif self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":
                 params, put = device_put_params(tensors)  # host staging -> the sampler's TPU devices
                 zero = 0
             else:  # emulated: JAX on CPU adopts the aligned host buffers through DLPack
@@ -85,6 +103,15 @@ class SamplerActor:
 
     def report(self) -> dict:
         return self.rt.report() | {"weight_version": self.engine.version if self.engine else -1}
+
+    def layout(self) -> dict:
+        """Where this sampler's weights live: its mesh and the weight bytes each device holds
+        (tensor parallel: about 1/k of the model each, plus the replicated norms)."""
+        held = self.engine.device_weight_bytes()
+        return {"rank": self.rt.rank, "tp": self.engine.tp,
+                "mesh": dict(self.engine.mesh.shape) if self.engine.mesh is not None else None,
+                "device_weight_bytes": {str(d): n for d, n in held.items()},
+                "model_bytes": sum(int(a.nbytes) for a in (self.engine.params or {}).values())}
 
     def shutdown(self) -> None:
         self.hb.stop()

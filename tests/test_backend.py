@@ -199,3 +199,38 @@ def test_torch_tpu_modes_map_the_config():
                                    "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING"}
     assert backend.spmd_region(len, "cpu") is len  # off TorchTPU nothing is wrapped
     assert backend.spmd_region(len, "tpu") is not len
+
+
+_HOST_DEVICES = """
+import json, os, sys
+os.environ.pop("XLA_FLAGS", None)
+os.environ.pop("JAX_PLATFORMS", None)
+from rltpu.chips import backend
+from rltpu.config import BackendConfig
+info = backend.apply(BackendConfig(), "sampler", emulated=True, jax_devices=int(sys.argv[1]))
+import jax
+out = {"devices": [d.platform for d in jax.devices()], "reported": info["jax_devices"]}
+try:  # a second claim for more devices once JAX runs: refused, never a silent 1-device engine
+    backend.apply(BackendConfig(), "sampler", emulated=True, jax_devices=int(sys.argv[1]) + 1)
+except backend.ChipUnavailableError as e:
+    out["late"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_emulated_sampler_gets_one_host_device_per_chip(k):
+    """A sampler claiming k emulated chips sees k JAX CPU devices (its tensor-parallel mesh has the
+    shape it has on k real chips); JAX already running with another count is a one-line error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    res = subprocess.run([sys.executable, "-c", _HOST_DEVICES, str(k)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["devices"] == ["cpu"] * k and out["reported"] == k
+    assert f"JAX started before the chip claim with {k} host devices, but the engine spans {k + 1} chips" in out["late"]
+    assert "\n" not in out["late"]

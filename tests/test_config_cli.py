@@ -28,8 +28,9 @@ def run_cli(*args, cwd):
     (["placement.sampler_chip_ids=[0,1]", "placement.trainer_chip_ids=[1,2]"], "chip 1"),  # overlapping chips
     (["task.reward_fn=nosuchmodule:fn"], "cannot import module 'nosuchmodule'"),
     (["trainer"], "not key=value"),
-    # no tensor parallelism yet (issue 16): k chips per process would leave k - 1 idle, so refused
-    (["placement.chips_per_sampler=2", "sampler.batch_buckets=[4096]"], "sampler tensor parallelism is not implemented (issue 16)"),
+    # k chips per process where the runtime would leave k - 1 idle: refused (issue 16)
+    (["placement.mode=colocated", "placement.chips_per_sampler=2", "placement.chips_per_trainer=2",
+      "sampler.batch_buckets=[1024]"], "tensor parallelism inside colocated processes is not implemented"),
     (["placement.chips_per_trainer=2"], "trainer tensor parallelism (FSDP x TP) is not implemented"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, overrides, fragment):

@@ -115,8 +115,9 @@ def test_8b_on_v5e_16_cannot_colocate(tmp_path):
     assert mem["trainer weights"] == pytest.approx(4 * P / 16)
     assert mem["trainer grads"] == pytest.approx(4 * P / 16)
     assert mem["trainer adam_states"] == pytest.approx(8 * P / 16)
-    assert mem["sampler weights"] == pytest.approx(4 * P / 4)
-    static = 16 * P / 16 + 4 * P / 4
+    norms = (2 * 32 + 1) * 4096  # RMSNorm weights: whole on each of the 4 chips (rltpu.sampling.tp)
+    assert mem["sampler weights"] == pytest.approx(4 * (P - norms) / 4 + 4 * norms)
+    static = 16 * P / 16 + 4 * (P - norms) / 4 + 4 * norms
     assert static / GiB == pytest.approx(14.96, abs=0.01) and static > hbm
     assert c4.capacity == hbm
     assert "HBM on v5e" in c4.reason and "> 14.90 GiB" in c4.reason
@@ -139,7 +140,8 @@ def test_1b_on_v6e_8_colocated_fits_but_is_refused_on_real_chips(tmp_path):
     mem = c.memory["sampler+trainer"]
     assert mem["trainer weights"] == pytest.approx(2 * P / 8)
     assert mem["trainer adam_states"] == pytest.approx(4 * P / 8)
-    assert mem["sampler weights"] == pytest.approx(2 * P / 8)
+    norms = (2 * 16 + 1) * 2048  # RMSNorm weights: whole on each of the 8 chips (rltpu.sampling.tp)
+    assert mem["sampler weights"] == pytest.approx(2 * (P - norms) / 8 + 2 * norms)
     kv_per_token = 2 * 16 * 8 * 64 * 2  # k and v, 16 layers, 8 kv heads x 64, bf16
     assert mem["sampler kv_cache"] == pytest.approx(64 * 512 * kv_per_token / 8)
     assert sum(mem.values()) <= 32e9

@@ -244,12 +244,22 @@ def spmd_region(fn, device: str):
     return torch.tpu.distributed.spmd_safe(fn)
 
 
+def host_device_flags(jax_devices: int) -> dict[str, str]:
+    """XLA flags that give a CPU-only JAX process ``jax_devices`` host devices: an emulated sampler
+    with k chips gets k JAX devices, so its tensor-parallel mesh has the shape it has on k real chips."""
+    return {"--xla_force_host_platform_device_count": str(jax_devices)} if jax_devices > 1 else {}
+
+
 def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
-          launch_env: dict[str, str] | None = None, decision: Decision | None = None) -> dict[str, Any]:
+          launch_env: dict[str, str] | None = None, decision: Decision | None = None,
+          jax_devices: int = 1) -> dict[str, Any]:
     """Decide this process's backend from its claim, set env, threads and precision; return what was done.
 
     Runs before any engine exists. ``launch_env``: the TorchTPU launch variables the controller
-    computed for this trainer rank (``rltpu.chips.launch.launch_env_for_group``).
+    computed for this trainer rank (``rltpu.chips.launch.launch_env_for_group``). ``jax_devices``:
+    the chips a JAX engine in this process spans (a sampler's ``placement.chips_per_sampler``); on
+    real chips libtpu shows exactly the claimed ones (``TPU_VISIBLE_CHIPS``), emulated ones become
+    that many host devices.
     """
     decision = decision or decide(role, emulated, cfg)
     emulated = decision.emulated
@@ -260,6 +270,14 @@ def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
     elif not _jax_backend_started():
         for k, v in env.items():
             os.environ.setdefault(k, v)  # an actor's runtime_env may already have set it
+        os.environ["XLA_FLAGS"] = _merge_xla_flags(os.environ.get("XLA_FLAGS", ""), host_device_flags(jax_devices))
+    elif jax_devices > 1:
+        import jax
+
+        if len(jax.devices()) != jax_devices:
+            raise ChipUnavailableError(
+                f"{role}: JAX started before the chip claim with {len(jax.devices())} host devices, but the engine "
+                f"spans {jax_devices} chips; claim before any JAX computation in this process")
     threads = configure_threads(cfg.threads)
     precision = configure_precision(cfg.matmul_precision)
     tpu = configure_torch_tpu(decision, cfg)
@@ -269,6 +287,7 @@ def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
         "runtime": decision.runtime,
         "emulated": decision.emulated,
         "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+        "jax_devices": jax_devices,
         "launch_env": sorted(launch_env or {}),
         **threads,
         **precision,

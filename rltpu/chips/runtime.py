@@ -84,7 +84,10 @@ class ProcessRuntime:
             os.sched_setaffinity(0, {c.global_id % ncpu for c in chips})
         self.chips, self.identity = list(chips), identity
         self.decision = backend.decide(self.decision_role, emulated, self.backend_cfg)
-        self.backend_info = backend.apply(self.backend_cfg, launch_env=launch_env, decision=self.decision)
+        # a sampler's JAX engine spans all its chips (tensor parallelism); torch processes own one chip
+        jax_devices = len(chips) if self.decision_role == "sampler" else 1
+        self.backend_info = backend.apply(self.backend_cfg, launch_env=launch_env, decision=self.decision,
+                                          jax_devices=jax_devices)
         return self.report(emulated) | {"libtpu_env": env, "launch_env": dict(launch_env or {})}
 
     def modes(self):
@@ -102,6 +105,7 @@ class ProcessRuntime:
             "emulated": emulated, "device": self.backend_info.get("device"),
             "dist_backend": self.backend_info.get("dist_backend"), "runtime": self.backend_info.get("runtime"),
             "jax_platforms": self.backend_info.get("jax_platforms"),
+            "jax_devices": self.backend_info.get("jax_devices"),
         }
 
     def init_process_groups(self, master: str, port: int, world_size: int, global_rank: int,

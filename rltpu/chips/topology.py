@@ -232,18 +232,23 @@ class ChipTable:
 # Placement
 
 
-def unimplemented_parallelism(chips_per_sampler: int, chips_per_trainer: int, full: bool = True) -> str:
+def unimplemented_parallelism(chips_per_sampler: int, chips_per_trainer: int, full: bool = True,
+                              mode: str = "disaggregated") -> str:
     """Why ``rltpu train`` cannot run processes of these sizes ("" when it can): the one-line error
     (``full``) or the short reason the planner's report shows.
 
-    A sampler builds no JAX mesh (its engine and weight sync use the first of its devices) and a
-    trainer rank's DeviceMesh is 1-D FSDP over processes, one device each: a process given k > 1
-    chips would leave k - 1 idle (on emulated chips it only gains CPU cores through its affinity).
-    ``assign_roles`` still places such groups: the planner costs them as what TP would give.
+    A sampler with k chips builds a k-device JAX mesh (``rltpu.sampling.tp``). A colocated process
+    holds a trainer rank (one torch device) and a sampler engine on the same chips: k > 1 there would
+    leave the trainer's other chips idle, so colocated runs one chip per process.
     """
+    if mode == "colocated" and max(chips_per_sampler, chips_per_trainer) > 1:
+        short = "tensor parallelism inside colocated processes is not implemented"
+        if not full:
+            return f"colocated chips_per_process={max(chips_per_sampler, chips_per_trainer)}: {short}"
+        return (f"placement.mode=colocated with chips_per_sampler={chips_per_sampler}: {short}; set "
+                f"placement.chips_per_sampler=chips_per_trainer=1, or use placement.mode=disaggregated")
     for role, per, what, instead in (
-            ("sampler", chips_per_sampler, "sampler tensor parallelism", "more sampler actors instead"),
-            ("trainer", chips_per_trainer, "trainer tensor parallelism (FSDP x TP)", "one FSDP rank per chip")):
+            ("trainer", chips_per_trainer, "trainer tensor parallelism (FSDP x TP)", "one FSDP rank per chip"),):
         if per > 1:
             short = f"{what} is not implemented (issue 16)"
             if not full:

@@ -152,6 +152,9 @@ class Controller:
         extra = {"compile_log": self.compile_log, "compiling": self.compile_summary}
         if self.colocated:  # both roles resident in one process: what each process holds, measured
             extra["memory"] = bounded_get(ray, [t.memory.remote() for t in g.trainers], "probe", d, "memory reports")
+        else:  # each sampler's mesh and the weight bytes on each of its devices (1/k with TP), measured
+            extra["sampler_layout"] = bounded_get(ray, [s.layout.remote() for s in g.samplers], "probe", d,
+                                                  "sampler layouts")
         try:
             p.write(self.run_dir / "placement.json", extra)
         except OSError as err:  # a debug file: its failure is a warning, not the end of the job

@@ -77,8 +77,9 @@ class Placement:
         self.cfg = cfg
         self.colocated = cfg.placement.mode == "colocated"
         self.table = ChipTable.build(cfg.cluster)
-        problem = unimplemented_parallelism(cfg.placement.chips_per_sampler, cfg.placement.chips_per_trainer)
-        if problem:  # one line, exit 2: no TP yet, k chips per process would leave k - 1 idle
+        problem = unimplemented_parallelism(cfg.placement.chips_per_sampler, cfg.placement.chips_per_trainer,
+                                            mode=cfg.placement.mode)
+        if problem:  # one line, exit 2: k chips per process that would leave k - 1 idle
             raise ConfigError(problem)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
         self.groups = ActorGroups(self.colocated)

@@ -15,7 +15,7 @@ import numpy as np
 from rltpu.config import RunConfig
 
 SYNC_KEYS = ("seconds", "bytes", "copied_bytes", "host_bytes", "ici_bytes", "dcn_bytes", "staged_bytes",
-             "zero_copy_frac")
+             "device_put_bytes", "zero_copy_frac")
 
 
 @dataclass
@@ -71,6 +71,8 @@ def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen:
         "sync_bytes": sync["bytes"], "sync_copied_bytes": sync.get("copied_bytes"),
         "sync_host_bytes": sync["host_bytes"], "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
         "sync_staged_bytes": sync.get("staged_bytes"),
+        # host staging -> sampler devices (real chips, tensor-parallel meshes): each device's slices
+        "sync_device_put_bytes": sync.get("device_put_bytes"),
         "sync_generation": sync_generation, "sampler_weight_versions": list(sampler_weight_versions),
         "sync_zero_copy_frac": sync["zero_copy_frac"],
         "sampler_versions": sorted({int(v) for v in gen["versions"]}),

@@ -77,11 +77,12 @@ class Candidate:
     @property
     def not_runnable(self) -> str:
         """Why `rltpu train` refuses it ("" when it runs): every mode runs (async as
-        placement.staleness=1), but no process may hold more than one chip until tensor parallelism
-        exists (``rltpu.chips.topology.unimplemented_parallelism``, the check ``rltpu train`` makes)."""
+        placement.staleness=1), with the process sizes ``rltpu train`` accepts
+        (``rltpu.chips.topology.unimplemented_parallelism``, the same check)."""
         if self.mode not in RUNNABLE_MODES:
             return f"placement mode {self.mode} is not run by rltpu train"
-        return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False)
+        return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False,
+                                         mode="colocated" if self.mode == "colocated" else "disaggregated")
 
     @property
     def runnable(self) -> bool:

@@ -13,8 +13,10 @@ gloo latency + bytes at the fitted rate); plus the measured Ray fan-out per phas
 Memory (bytes per chip), FSDP over ``f`` trainer chips (all of them shard every tensor):
     weights  P*b/f     grads  P*b/f     AdamW states  2*P*b/f (torch keeps them in the param dtype)
     reference model P*b/f (kl_coef > 0), critic 4*P*b/f, activations per token (see ``_act_*``)
-Sampler (tensor parallel over the ``t`` chips of one process): weights P*b/t, KV cache
-    rows * (prompt + new) * 2*L*kv_dim*b / t, plus one layer's prefill working set and the logits.
+Sampler (tensor parallel over the ``t`` chips of one process, ``sampler_weight_bytes``): weights
+    about P*b/t (k/v projections split only g = gcd(kv_heads, t) ways, norms and an indivisible
+    vocabulary whole), KV cache rows * (prompt + new) * 2*L*kv_dim*b / g, plus one layer's prefill
+    working set and the logits.
 """
 
 from __future__ import annotations
@@ -147,10 +149,27 @@ def trainer_memory(m: ModelShape, w: Workload, fsdp_chips: int, tokens_per_chip:
     return mem
 
 
+def sampler_weight_bytes(m: ModelShape, tp: int) -> float:
+    """Weight bytes on one of a sampler's ``tp`` chips, as ``rltpu.sampling.tp`` lays them out: q/o
+    projections and the MLP split ``tp`` ways; k/v projections ``gcd(kv_heads, tp)`` ways (a kv
+    head sits on every chip whose q heads read it); the vocabulary tables ``tp`` ways when the
+    vocabulary divides, else whole on every chip; the RMSNorm vectors whole on every chip."""
+    if tp == 1:
+        return m.params * m.bytes
+    H, q = m.hidden, m.heads * m.head_dim
+    kv_ways = math.gcd(m.kv_heads, tp)
+    split = m.layers * (2 * H * q + 3 * H * m.inter)
+    vocab = m.vocab * H * (1 if m.tied else 2)
+    split_vocab = m.vocab % tp == 0
+    norms = m.layers * 2 * H + H
+    return m.bytes * (split / tp + m.layers * 2 * H * m.kv_dim / kv_ways
+                      + (vocab / tp if split_vocab else vocab) + norms)
+
+
 def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, float]:
     mem = {
-        "weights": m.params * m.bytes / tp,
-        "kv_cache": rows * w.seq * m.kv_bytes_per_token / tp,
+        "weights": sampler_weight_bytes(m, tp),
+        "kv_cache": rows * w.seq * m.kv_bytes_per_token / math.gcd(m.kv_heads, tp),  # split by kv heads
         # one layer of the prefill at a time: hidden + MLP intermediates; logits of the batch (fp32)
         "prefill_work": rows * w.prompt_len * (4 * m.hidden + 3 * m.inter) * m.bytes / tp,
         "logits": 2 * rows * m.vocab * 4,

@@ -80,6 +80,27 @@ def shard_rows(d0: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * c, d0), min((rank + 1) * c, d0)
 
 
+def trainer_rows(name: str, d0: int, n_trainers: int, rank: int, tp: int = 1) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of tensor ``name`` that trainer ``rank`` sends: its FSDP2 rows, or with
+    tensor parallelism (``tp`` > 1, rank = dp index * tp + tp index) a block of whole rows:
+
+    - split by rows (q/k/v, gate/up; ``rltpu.models.tp_plan.split_dim`` 0): the TP rank's rows, then
+      its FSDP piece of those (what FSDP2 holds there, ``_StridedShard``): sent as held;
+    - anything else: the FSDP piece over dp, then the TP rank's part of it. A tensor whole on every
+      TP rank is sliced (a view), a column-split one (o_proj, down) is first turned into rows inside
+      the TP group (``local_shards``). Each element goes once, from one rank.
+    """
+    if tp == 1:
+        return shard_rows(d0, n_trainers, rank)
+    from rltpu.models.tp_plan import split_dim
+
+    d, t = divmod(rank, tp)
+    outer, inner = ((tp, t), (n_trainers // tp, d)) if split_dim(name) == 0 else ((n_trainers // tp, d), (tp, t))
+    a, b = shard_rows(d0, *outer)
+    c, e = shard_rows(b - a, *inner)
+    return a + c, a + e
+
+
 # ---------------------------------------------------------------------------------------------
 # the plan: per trainer rank, which shard pieces travel in which bucket
 
@@ -117,8 +138,10 @@ def direct_min_bytes(bucket_bytes: int) -> int:
     return min(bucket_bytes // 4, 256 * 1024)
 
 
-def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, wire: str = "auto") -> list[Message]:
-    """Trainer ``rank``'s shards, in spec order, as messages of at most ``bucket_bytes``.
+def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, wire: str = "auto",
+                tp: int = 1) -> list[Message]:
+    """Trainer ``rank``'s shards (``trainer_rows``; ``tp``: the trainers' tensor-parallel degree), in
+    spec order, as messages of at most ``bucket_bytes``.
 
     A piece whose wire dtype is the sampler's dtype and which is big enough goes direct, in chunks
     of at most a bucket; smaller (or converted) pieces are packed at 64-byte-aligned offsets into
@@ -143,7 +166,7 @@ def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, 
         isz = _DTYPES[wd].itemsize
         d0 = shape[0] if len(shape) else 1
         row = _numel(shape[1:]) if len(shape) else 1
-        r0, r1 = shard_rows(d0, n_trainers, rank)
+        r0, r1 = trainer_rows(name, d0, n_trainers, rank, tp)
         start, left = r0 * row, (r1 - r0) * row
         if wd == dtype and left * isz >= dmin and (start * isz) % 8 == 0:
             chunk = cap // isz
@@ -165,9 +188,11 @@ def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, 
     return msgs
 
 
-def layout_digest(spec: ParamSpec, n_trainers: int, bucket_bytes: int, wire: str) -> int:
-    """What every participant must agree on besides the version (names, shapes, dtypes, plan inputs)."""
-    return spec_digest([("__plan__", (n_trainers, bucket_bytes), wire), *spec])
+def layout_digest(spec: ParamSpec, n_trainers: int, bucket_bytes: int, wire: str, tp: int = 1) -> int:
+    """What every participant must agree on besides the version (names, shapes, dtypes, plan inputs,
+    and the trainers' (dp, tp) mesh: which rows each stream carries depends on it)."""
+    mesh = (n_trainers, bucket_bytes) if tp == 1 else (n_trainers, bucket_bytes, n_trainers // tp, tp)
+    return spec_digest([("__plan__", mesh, wire), *spec])
 
 
 def staging_layout(spec: ParamSpec) -> tuple[dict[str, int], int]:
@@ -375,15 +400,17 @@ def decode_details(raw: bytes) -> tuple:
         return None
 
 
-def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str) -> None:
-    """Everyone agrees on (version, layout) or everyone raises the same one-line error."""
+def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str, tp: int = 1) -> None:
+    """Everyone agrees on (version, layout) or everyone raises the same one-line error. ``tp``: the
+    trainers' tensor-parallel degree as this participant knows it (a trainer: its mesh)."""
     route = fabric.route
-    mine = torch.tensor([version, layout_digest(spec, route.n_trainers, bucket_bytes, wire)], dtype=torch.int64)
+    mine = torch.tensor([version, layout_digest(spec, route.n_trainers, bucket_bytes, wire, tp)], dtype=torch.int64)
     got = [tuple(int(x) for x in t) for t in fabric.allgather(mine, "the handshake")]
     if all(g == got[0] for g in got):
         return
     # JSON, never pickle: these bytes come from peers over an unauthenticated store
-    detail = json.dumps([version, route.n_trainers, bucket_bytes, wire,
+    trainers = route.n_trainers if tp == 1 else f"{route.n_trainers} as dp {route.n_trainers // tp} x tp {tp}"
+    detail = json.dumps([version, trainers, bucket_bytes, wire,
                          [[n, list(s), str(d)] for n, s, d in spec]]).encode()
     n = torch.tensor([len(detail)], dtype=torch.int64)
     sizes = [int(x) for x in fabric.allgather(n, "the handshake details")]
@@ -410,12 +437,29 @@ def _verdict(fabric: SyncFabric, version: int, bad: tuple[int, int, int]) -> Non
 # trainer side
 
 
-def local_shards(model: torch.nn.Module, names) -> dict[str, torch.Tensor]:
-    """This rank's FSDP2 shards (DTensor ``to_local()``; no gather), or whole tensors without FSDP."""
+def local_shards(model: torch.nn.Module, names, tp: int = 1, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's FSDP2 shards (DTensor ``to_local()``; no gather), or whole tensors without FSDP.
+
+    With tensor parallelism (``tp`` > 1, this rank's index ``tp_rank`` in its TP group) each piece is
+    made the block of whole rows ``trainer_rows`` names: row-split tensors as held; tensors whole on
+    every TP rank sliced to this rank's part (a view); column-split ones (o_proj, down) redistributed
+    inside the TP group from columns to rows (one all-to-all each, a new shard-sized tensor: every
+    trainer rank must call this together). No rank ever holds more than its own share."""
+    from torch.distributed.tensor import Shard
+
     sd = model.state_dict()
     out = {}
     for n in names:
         t = sd[n]
+        if tp > 1 and hasattr(t, "placements"):
+            if t.placements[-1] == Shard(1):  # column-split over tp: trade columns for rows in the TP group
+                t = t.redistribute(t.device_mesh, (*t.placements[:-1], Shard(0))).to_local()
+            elif t.device_mesh.ndim == 1 or not t.placements[-1].is_shard():  # whole on every TP rank
+                local = t.to_local()
+                a, b = shard_rows(local.shape[0], tp, tp_rank)
+                t = local[a:b]
+            else:  # row-split over tp, then FSDP rows
+                t = t.to_local()
         out[n] = (t.to_local() if hasattr(t, "to_local") else t).detach()
     return out
 
@@ -427,8 +471,9 @@ def _buffer(bufs: list, i: int, nbytes: int) -> torch.Tensor:
 
 
 def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: ParamSpec, version: int,
-                bucket_bytes: int, wire: str = "auto") -> dict:
+                bucket_bytes: int, wire: str = "auto", tp: int = 1) -> dict:
     """Run on every trainer rank (sync rank ``r``): handshake, stream ``r``, its checksums, the verdict.
+    ``shards``: ``local_shards`` of the same ``tp`` (the rows ``trainer_rows`` names).
 
     At most two messages are in flight; packed buckets alternate between two buffers, so the
     next bucket is packed while the previous one is on the wire. Direct chunks go from the shard's
@@ -436,18 +481,19 @@ def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: Param
     """
     t0 = time.perf_counter()
     route, r = fabric.route, fabric.me
-    handshake(fabric, version, spec, bucket_bytes, wire)
-    plan = plan_stream(spec, route.n_trainers, r, bucket_bytes, wire)
+    handshake(fabric, version, spec, bucket_bytes, wire, tp)
+    plan = plan_stream(spec, route.n_trainers, r, bucket_bytes, wire, tp)
     base, flat = {}, {}
     for name, shape, _dtype in spec:  # element offset of this rank's shard in the full tensor
         d0 = shape[0] if len(shape) else 1
         row = _numel(shape[1:]) if len(shape) else 1
-        r0, r1 = shard_rows(d0, route.n_trainers, r)
+        r0, r1 = trainer_rows(name, d0, route.n_trainers, r, tp)
         t = shards[name]
         if t.numel() != (r1 - r0) * row:
             raise WeightSyncError(
                 f"weight sync v{version}: trainer {r}'s shard of {name!r} has {t.numel()} elements, expected rows "
-                f"[{r0}, {r1}) of {tuple(shape)} (FSDP2 Shard(0)); the trainer is not sharded as the plan assumes")
+                f"[{r0}, {r1}) of {tuple(shape)} ({'FSDP2 Shard(0)' if tp == 1 else f'FSDP x TP, tp={tp}'}); the "
+                f"trainer is not sharded as the plan assumes")
         base[name], flat[name] = r0 * row, t.detach().reshape(-1)
     pg, _ = fabric.groups[f"t{r}"]
     # message k may use buffer k % 2: its previous user, message k-2, is waited for first
@@ -487,24 +533,26 @@ def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: Param
 
 
 def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_bytes: int, wire: str = "auto",
-                   on_message=None) -> tuple[dict[str, torch.Tensor], dict]:
+                   on_message=None, trainer_tp: int = 1) -> tuple[dict[str, torch.Tensor], dict]:
     """Run on every sampler: receive all streams into a fresh staging arena (the live version is
     untouched), forward as relay, verify checksums, agree on the verdict. Returns the new full
     tensors (views of the arena, 64-byte aligned) only when every sampler verified every message.
 
     ``on_message(stream, k)`` runs after each received message (tests use it to die mid-sync).
+    ``trainer_tp``: the trainers' tensor-parallel degree (``placement.chips_per_trainer``); which rows
+    each stream carries depends on it, and the handshake refuses a disagreement.
     """
     t0 = time.perf_counter()
     route, me = fabric.route, fabric.me
     M = route.n_trainers
-    handshake(fabric, version, spec, bucket_bytes, wire)
+    handshake(fabric, version, spec, bucket_bytes, wire, trainer_tp)
     offs, total = staging_layout(spec)
     arena = torch.empty(total, dtype=torch.uint8)
     dest = {n: arena[offs[n]: offs[n] + _numel(s) * _DTYPES[d].itemsize].view(_DTYPES[d]) for n, s, d in spec}
     inbound = []  # (stream, pg, group, plan, two packed buffers)
     for r in range(M):
         g = route.recv_from.get((me, r))
-        plan = plan_stream(spec, M, r, bucket_bytes, wire)
+        plan = plan_stream(spec, M, r, bucket_bytes, wire, trainer_tp)
         if g is None or not plan:
             continue
         inbound.append((r, fabric.pg(g), g, plan, [None, None]))
@@ -605,16 +653,14 @@ def _host_array(t: torch.Tensor):
 
 def device_put_params(tensors: dict[str, torch.Tensor], shardings: dict | None = None) -> tuple[dict, int]:
     """Sampler side on real chips: staged host tensors -> ``jax.device_put`` onto the sampler's devices,
-    each tensor with its sharding (default: the first local device). Returns arrays and bytes put."""
+    each tensor with its sharding (default: the first local device). Returns arrays and the bytes that
+    landed on devices (a tensor-parallel sampler: each device's slices, replicated tensors once per device)."""
     import jax
 
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    out, nbytes = {}, 0
-    for k, t in tensors.items():
-        out[k] = jax.device_put(_host_array(t), (shardings or {}).get(k, default))
-        nbytes += t.numel() * t.element_size()
+    out = {k: jax.device_put(_host_array(t), (shardings or {}).get(k, default)) for k, t in tensors.items()}
     jax.block_until_ready(list(out.values()))  # the staging arena may be reused after this returns
-    return out, nbytes
+    return out, sum(s.data.nbytes for a in out.values() for s in a.addressable_shards)
 
 
 def torch_to_jax(tensors: dict[str, torch.Tensor]) -> dict:
