@@ -72,7 +72,8 @@ class SamplerActor:
         with self.hb.phase("syncing"):
             try:
                 tensors, stats = receive_staged(self.rt.fabric, self.spec, version,
-                                                int(self.cfg.sync.bucket_mb * 2**20), self.cfg.sync.wire_dtype)
+                                                int(self.cfg.sync.bucket_mb * 2**20), self.cfg.sync.wire_dtype,
+                                                trainer_tp=self.cfg.placement.chips_per_trainer)
             except Exception:
                 self.rt.fabric.close()
                 raise

@@ -41,7 +41,8 @@ class TrainerActor:
         from learner.trainer import TrainerEngine
 
         device = self.rt.backend_info["device"]  # resolved once, by rltpu.chips.backend
-        mesh = trainer_mesh(self.rt.trainer_group, device)  # real chips: one slice (rltpu.chips.launch)
+        # real chips: one slice (rltpu.chips.launch); chips_per_trainer > 1: a (dp, tp) mesh, tp = k
+        mesh = trainer_mesh(self.rt.trainer_group, device, tp=self.rt.trainer_tp, groups=self.rt.mesh_groups)
         with self.hb.phase("loading"):
             self.engine = TrainerEngine(self.cfg.model, self.cfg.trainer, vocab_size, self.cfg.seed,
                                         self.cfg.sampler.temperature, mesh=mesh, device=device,
@@ -64,17 +65,22 @@ class TrainerActor:
             return self.rt.join_sync(*args)
 
     def push_weights(self, spec, version: int) -> dict:
-        """Send this rank's own FSDP shards (no all-gather); every trainer rank takes part."""
-        from rltpu.sync.collective import HostStaging, local_shards, send_shards
+        """Send this rank's own FSDP (x TP) shards (no all-gather); every trainer rank takes part."""
+        from learner.tp import mesh_position
+        from rltpu.sync.collective import HostStaging, WeightSyncError, local_shards, send_shards
 
         if getattr(self, "staging", None) is None:
             self.staging = HostStaging()  # host buffers kept across syncs (device shards only)
-        shards = local_shards(self.engine.model, [n for n, _, _ in spec])
         with self.hb.phase("syncing"):
             try:
+                pos, tp_rank = mesh_position(self.engine.mesh)
+                if pos != self.rt.fabric.me:  # streams are numbered by trainer rank, shards by mesh position
+                    raise WeightSyncError(f"trainer {self.rt.fabric.me} holds the shards of mesh position {pos}: the "
+                                          f"mesh layout reordered the ranks, which weight sync does not support")
+                shards = local_shards(self.engine.model, [n for n, _, _ in spec], self.engine.tp, tp_rank)
                 shards, staged = self.staging.stage(shards)  # TorchTPU shards -> host, one copy
                 return send_shards(self.rt.fabric, shards, spec, version, int(self.cfg.sync.bucket_mb * 2**20),
-                                   self.cfg.sync.wire_dtype) | {"staged_bytes": staged}
+                                   self.cfg.sync.wire_dtype, self.engine.tp) | {"staged_bytes": staged}
             except Exception:
                 self.rt.fabric.close()  # this generation is spent; the controller builds the next
                 raise

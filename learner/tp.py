@@ -64,3 +64,14 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     for ps in groups.values():  # one mesh at a time: a foreach op may not mix meshes either
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
+
+
+def mesh_position(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(this rank's flat position in the trainer mesh, its index in its TP group): the shards it holds.
+    Weight sync numbers streams by trainer rank and needs the two to agree."""
+    if mesh is None:
+        return 0, 0
+    where = mesh.get_coordinate()
+    if mesh.ndim == 1:
+        return where[0], 0
+    return where[0] * mesh.size(1) + where[1], where[1]

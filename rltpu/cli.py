@@ -45,13 +45,14 @@ def preflight_real_chips(cfg, address: str | None) -> None:
     placement TorchTPU can run; with an embedded cluster every actor runs here, so this host must be
     able to open them too (ChipUnavailableError: one line, exit 2, nothing started)."""
     from rltpu.chips.launch import check_real_placement
-    from rltpu.chips.topology import ChipTable, Role, assign_roles
+    from rltpu.chips.topology import ChipTable, Role, assign_roles, trainer_processes
 
     table = ChipTable.build(cfg.cluster)
     if table.emulated:
         return
     roles = assign_roles(table, cfg.placement)
-    check_real_placement(cfg.cluster.generation, roles[Role.TRAINER], table.chips_per_host, cfg.placement.mode)
+    check_real_placement(cfg.cluster.generation, trainer_processes(roles[Role.TRAINER]), table.chips_per_host,
+                         cfg.placement.mode)
     if not address:
         from rltpu.chips.backend import decide
 

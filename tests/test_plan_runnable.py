@@ -1,6 +1,7 @@
 """The planner only offers what `rltpu train` runs (issue 16 points 5 and 6): a sampler process with
 k chips runs (a k-device JAX mesh, ``rltpu.sampling.tp``) and is costed with the memory its mesh
-really holds per chip; layouts the runtime refuses (``rltpu.chips.topology.unimplemented_parallelism``,
+really holds per chip; a trainer block of k chips runs as k one-chip FSDP x TP ranks
+(``learner/tp.py``); layouts the runtime refuses (``rltpu.chips.topology.unimplemented_parallelism``,
 the check `rltpu train` makes) are costed and shown with the reason, never the winner, never written
 by --write-config.
 """
@@ -27,17 +28,13 @@ from rltpu.plan.writer import placed_config  # noqa: E402
 from rltpu.sampling import tp  # noqa: E402
 from test_plan import LLAMA_1B, LLAMA_8B, write_cfg  # noqa: E402
 
-TRAINER_TP = "trainer tensor parallelism (FSDP x TP) is not implemented (issue 16)"
 COLOCATED_TP = "tensor parallelism inside colocated processes is not implemented"
 
 
 def test_the_check_names_what_is_missing():
     assert unimplemented_parallelism(1, 1) == ""
     assert unimplemented_parallelism(2, 1) == unimplemented_parallelism(8, 1) == ""  # sampler TP runs
-    assert TRAINER_TP in unimplemented_parallelism(1, 8)
-    line = unimplemented_parallelism(1, 4)
-    assert line.startswith("placement.chips_per_trainer=4: ") and "set placement.chips_per_trainer=1" in line
-    assert "\n" not in line
+    assert unimplemented_parallelism(1, 8) == unimplemented_parallelism(4, 4) == ""  # trainer TP runs
     line = unimplemented_parallelism(4, 4, mode="colocated")
     assert COLOCATED_TP in line and "placement.mode=disaggregated" in line and "\n" not in line
     assert unimplemented_parallelism(1, 1, mode="colocated") == ""
@@ -75,7 +72,7 @@ def _1b_on_v5e_16(tmp_path):
 
 
 def test_refused_candidates_are_reported_but_never_win_nor_written(tmp_path):
-    """A 1B model on a v5e-16: sampler-TP layouts run and compete; layouts the runtime refuses are
+    """A 1B model on a v5e-16: sampler- and trainer-TP layouts run and compete; layouts the runtime refuses are
     still enumerated and costed, each says why, and none is the winner, ahead of a runnable one in
     the ranking, or written by --write-config."""
     plan = make_plan(_1b_on_v5e_16(tmp_path))
@@ -85,10 +82,9 @@ def test_refused_candidates_are_reported_but_never_win_nor_written(tmp_path):
     for c in multi:
         if c.mode == "colocated":
             assert c.not_runnable == f"colocated chips_per_process={c.chips_per_sampler}: {COLOCATED_TP}"
-        elif c.chips_per_trainer > 1:
-            assert c.not_runnable == f"chips_per_trainer={c.chips_per_trainer}: {TRAINER_TP}"
-        else:  # a sampler mesh over its chips: runs
+        else:  # a sampler mesh over its chips, a trainer block as a TP group: runs
             assert c.runnable, c.not_runnable
+    assert any(c.runnable and c.chips_per_trainer > 1 for c in multi)
     tp4 = next(c for c in multi if c.mode != "colocated" and c.chips_per_sampler == 4 and c.chips_per_trainer == 1)
     assert tp4.runnable and tp4.feasible
     assert tp4.memory["sampler"]["weights"] == pytest.approx(cm.sampler_weight_bytes(plan.model, 4))
@@ -106,7 +102,7 @@ def test_refused_candidates_are_reported_but_never_win_nor_written(tmp_path):
 
     # the report shows the refused ones with the reason, and the JSON says it per candidate
     md = markdown(plan, top=len(plan.candidates))
-    assert TRAINER_TP in md and COLOCATED_TP in md
+    assert COLOCATED_TP in md
     assert f"## Winner: {win.name}" in md
     js = plan.to_json()
     assert js["winner"] == win.name

@@ -493,3 +493,79 @@ def test_spec_digest_tracks_the_layout():
     spec = param_spec(MCFG, V)
     assert spec_digest(spec) == spec_digest(param_spec(MCFG, V))
     assert spec_digest(spec) != spec_digest(param_spec(MCFG.model_copy(update={"intermediate_size": 48}), V))
+
+
+# ---------------------------------------------------------------------------------------------
+# a 2 x 2 FSDP x TP trainer group streams its own blocks of rows; samplers get full tensors
+
+TP_MCFG = MCFG.model_copy(update={"attention_bias": True, "attention_out_bias": True, "qk_norm": True})
+TP_M, TP = 4, 2  # trainer ranks (dp 2 x tp 2), then 2 samplers
+
+
+def _tp_sync_worker(rank: int, world: int, port: int, q) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    from rltpu.config import BackendConfig, TrainerConfig
+    from rltpu.chips.runtime import ProcessRuntime
+    from rltpu.models.torch_llama import init_state_dict
+    from rltpu.sync.collective import SyncFabric, WeightSyncError, host_store, local_shards, receive_staged, send_shards
+
+    spec = param_spec(TP_MCFG, V)
+    rt = ProcessRuntime("trainer" if rank < TP_M else "sampler", rank, "v5e", BackendConfig(device="cpu"))
+    rt.init_process_groups("127.0.0.1", port, world, rank, TP_M, PG_TIMEOUT_S, TP)  # the 2-D mesh's groups too
+    store_port = int(os.environ["RLTPU_TEST_SYNC_PORT"])
+    if rank == 0:
+        host_store("127.0.0.1", store_port, PG_TIMEOUT_S)
+    fab = SyncFabric("127.0.0.1", store_port, 1, rank, plan_route([0] * TP_M, [0] * (world - TP_M)), PG_TIMEOUT_S)
+    out = {}
+    if rank < TP_M:
+        from learner.fsdp import trainer_mesh
+        from learner.trainer import TrainerEngine
+
+        mesh = trainer_mesh(rt.trainer_group, "cpu", tp=TP, groups=rt.mesh_groups)
+        eng = TrainerEngine(TP_MCFG, TrainerConfig(), V, 0, mesh=mesh)
+        shards = local_shards(eng.model, [n for n, _, _ in spec], TP, mesh["tp"].get_local_rank())
+        out["shard_elems"] = sum(t.numel() for t in shards.values())
+        for name, tp in (("mismatch", TP), ("sync", TP)):
+            try:
+                out[name] = send_shards(fab, shards, spec, 1, BUCKET_BYTES, tp=tp)
+            except WeightSyncError as e:
+                out[name] = str(e)
+    else:
+        want = init_state_dict(TP_MCFG, V, 0)  # what every trainer rank was built from (seed 0)
+        for name, tp in (("mismatch", 1), ("sync", TP)):  # first a sampler that believes tp=1
+            try:
+                tensors, st = receive_staged(fab, spec, 1, BUCKET_BYTES, trainer_tp=tp)
+                out[name] = st | {"bad": [n for n in want if not torch.equal(tensors[n], want[n])]}
+            except WeightSyncError as e:
+                out[name] = str(e)
+    fab.close()
+    rt.shutdown()
+    q.put((rank, out))
+
+
+def test_fsdp_x_tp_trainers_send_their_own_rows_and_samplers_get_exact_full_tensors(monkeypatch):
+    from rltpu.sync.collective import trainer_rows
+    from rltpu.sync.stores import free_port
+
+    monkeypatch.setenv("RLTPU_TEST_SYNC_PORT", str(free_port()))
+    spec = param_spec(TP_MCFG, V)
+    # the plan by hand: the 4 streams cover every row of every tensor exactly once
+    for name, shape, _ in spec:
+        rows = sorted(trainer_rows(name, shape[0], TP_M, r, TP) for r in range(TP_M))
+        assert rows[0][0] == 0 and rows[-1][1] == shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:])), name
+    assert trainer_rows("model.layers.0.self_attn.q_proj.weight", 32, 4, 1, 2) == (16, 24)  # tp 1's heads, dp 0's half
+    assert trainer_rows("model.layers.0.self_attn.o_proj.weight", 32, 4, 1, 2) == (8, 16)  # dp 0's rows, tp 1's half
+    assert trainer_rows("model.embed_tokens.weight", 17, 4, 3, 2) == (13, 17)  # dp 1: rows 9..16, tp 1: 13..16
+
+    res = spawn_ranks(_tp_sync_worker, TP_M + 2, (), JOIN_TIMEOUT_S, "fsdp x tp sync")
+    total = sum(int(np.prod(s)) for _, s, _ in spec)
+    for p in range(TP_M + 2):  # a sampler that does not know the mesh is refused by the handshake
+        msg = res[p]["mismatch"]
+        assert isinstance(msg, str) and "\n" not in msg and "sampler 0 (sync rank 4) disagrees with trainer 0" in msg
+        assert "'4 as dp 2 x tp 2'" in msg, msg
+    assert sum(res[r]["shard_elems"] for r in range(TP_M)) == total  # each element on one rank, no gather
+    sent = sum(res[r]["sync"]["bytes"] for r in range(TP_M))
+    for p in (TP_M, TP_M + 1):
+        st = res[p]["sync"]
+        assert st["bad"] == [] and st["bytes"] == sent, st  # bit-identical full tensors

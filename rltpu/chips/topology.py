@@ -237,9 +237,11 @@ def unimplemented_parallelism(chips_per_sampler: int, chips_per_trainer: int, fu
     """Why ``rltpu train`` cannot run processes of these sizes ("" when it can): the one-line error
     (``full``) or the short reason the planner's report shows.
 
-    A sampler with k chips builds a k-device JAX mesh (``rltpu.sampling.tp``). A colocated process
-    holds a trainer rank (one torch device) and a sampler engine on the same chips: k > 1 there would
-    leave the trainer's other chips idle, so colocated runs one chip per process.
+    A sampler with k chips builds a k-device JAX mesh (``rltpu.sampling.tp``). A trainer block of k
+    chips runs as k one-chip processes forming one tensor-parallel group (``trainer_processes``,
+    ``learner/tp.py``). A colocated process holds a trainer rank (one torch device) and a sampler
+    engine on the same chips: k > 1 there would leave the trainer's other chips idle, so colocated
+    runs one chip per process.
     """
     if mode == "colocated" and max(chips_per_sampler, chips_per_trainer) > 1:
         short = "tensor parallelism inside colocated processes is not implemented"
@@ -247,16 +249,13 @@ def unimplemented_parallelism(chips_per_sampler: int, chips_per_trainer: int, fu
             return f"colocated chips_per_process={max(chips_per_sampler, chips_per_trainer)}: {short}"
         return (f"placement.mode=colocated with chips_per_sampler={chips_per_sampler}: {short}; set "
                 f"placement.chips_per_sampler=chips_per_trainer=1, or use placement.mode=disaggregated")
-    for role, per, what, instead in (
-            ("trainer", chips_per_trainer, "trainer tensor parallelism (FSDP x TP)", "one FSDP rank per chip"),):
-        if per > 1:
-            short = f"{what} is not implemented (issue 16)"
-            if not full:
-                return f"chips_per_{role}={per}: {short}"
-            idle = "the other chip" if per == 2 else f"the other {per - 1} chips"
-            return (f"placement.chips_per_{role}={per}: {short}: a {role} process uses one device and {idle} "
-                    f"would sit idle; set placement.chips_per_{role}=1 ({instead})")
     return ""
+
+
+def trainer_processes(blocks: list[list[Chip]]) -> list[list[Chip]]:
+    """The trainer processes of ``assign_roles``' trainer blocks: one per chip (TorchTPU runs one process
+    per chip), so a block of k chips becomes k consecutive trainer ranks, one tensor-parallel group."""
+    return [[c] for block in blocks for c in block]
 
 
 def assign_roles(table: ChipTable, placement: PlacementConfig) -> dict[Role, list[list[Chip]]]:

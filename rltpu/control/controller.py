@@ -131,7 +131,7 @@ class Controller:
         n_t = len(g.trainers)
         members = g.trainers if self.colocated else g.trainers + g.samplers
         master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
-        args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s)  # noqa: E731
+        args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s, p.trainer_tp)  # noqa: E731
         bounded_get(ray, [a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)], "rendezvous", d,
                     "the process groups")
         builds = self.build_trainers()
@@ -344,18 +344,18 @@ class Controller:
         kl = values = None
         if tc.kl_in_reward or tc.algorithm == "ppo":  # passes over the rollout before the advantages
             layout = train_layout(gen)
-            parts = split_by_rank(layout, len(trainers))
+            parts = self._per_trainer(layout)
             if tc.kl_in_reward:  # the reference's logprobs: the penalty shapes the advantages
-                ref = np.concatenate(ray.get([t.logprobs.remote(b, True) for t, b in zip(trainers, parts)]))
+                ref = np.concatenate(self._per_shard(ray.get([t.logprobs.remote(b, True) for t, b in zip(trainers, parts)])))
                 kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
                 kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
             if tc.algorithm == "ppo":  # the critic's values: GAE needs them
-                values = np.concatenate(ray.get([t.values.remote(b) for t, b in zip(trainers, parts)]))
+                values = np.concatenate(self._per_shard(ray.get([t.values.remote(b) for t, b in zip(trainers, parts)])))
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
                                   kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
                                   lam=cfg.critic.gae_lambda if cfg.critic else 1.0)
         t1 = time.perf_counter()
-        parts = split_by_rank(batch, len(trainers))
+        parts = self._per_trainer(batch)
         with INTERRUPTS.deferred():  # the batch reaching the trainers, the step count and the ledger line: all or none
             refs = [t.train_step.remote(b) for t, b in zip(trainers, parts)]
             self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
@@ -364,7 +364,7 @@ class Controller:
         stats = sync = probe = None
         train_s = 0.0
         try:
-            stats = ray.get(refs)
+            stats = self._per_shard(ray.get(refs))
             train_s = time.perf_counter() - t1
             self.version += 1
             self.phase = "sync"
@@ -377,7 +377,7 @@ class Controller:
             # it and log the step with the figures it has (sync/probe may be missing), so metrics
             # and checkpoint agree on the step
             if stats is None:
-                stats = ray.get(refs)
+                stats = self._per_shard(ray.get(refs))
                 train_s = time.perf_counter() - t1
                 self.version += 1
             try:
@@ -388,6 +388,17 @@ class Controller:
                       file=sys.stderr)
             raise
         return self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe, StepTimes(t_step, sample_s, train_s))
+
+    def _per_trainer(self, batch: dict) -> list[dict]:
+        """``split_by_rank`` over the data-parallel groups: the k ranks of a TP group
+        (``placement.chips_per_trainer = k``) train on the same rows."""
+        k = self.placement.trainer_tp
+        parts = split_by_rank(batch, len(self.placement.groups.trainers) // k)
+        return [parts[r // k] for r in range(len(parts) * k)]
+
+    def _per_shard(self, results: list) -> list:
+        """One result per data-parallel shard (the TP ranks of a group return the same one)."""
+        return results[:: self.placement.trainer_tp]
 
     def _sync_healing(self, version: int) -> dict:
         try:

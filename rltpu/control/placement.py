@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from rltpu.chips.cluster import PlacementError, start_or_join
-from rltpu.chips.topology import ChipTable, Role, assign_roles, check_disjoint, unimplemented_parallelism
+from rltpu.chips.topology import (ChipTable, Role, assign_roles, check_disjoint, trainer_processes,
+                                  unimplemented_parallelism)
 from rltpu.config import ConfigError, RunConfig
 from rltpu.observe.health import bounded_get
 
@@ -82,6 +83,16 @@ class Placement:
         if problem:  # one line, exit 2: k chips per process that would leave k - 1 idle
             raise ConfigError(problem)
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
+        # trainer tensor parallelism: TorchTPU runs one process per chip, so each block of k chips
+        # becomes k trainer processes, one TP group (ranks j*k .. j*k+k-1), dp = trainer chips / k
+        self.trainer_tp = 1 if self.colocated else cfg.placement.chips_per_trainer
+        if self.trainer_tp > 1:
+            from rltpu.models.tp_plan import tp_problem
+
+            problem = tp_problem(cfg.model, self.trainer_tp)
+            if problem:
+                raise ConfigError(problem)
+            self.roles[Role.TRAINER] = trainer_processes(self.roles[Role.TRAINER])
         self.groups = ActorGroups(self.colocated)
         self.emulated = self.table.emulated  # refined from the actors' own view of their nodes
         self.cluster_info: dict = {}

@@ -295,7 +295,8 @@ class Supervisor:
         d = self.cfg.health.deadlines
         master, port = bounded_get(ray, trainers[0].rendezvous.remote(), "rendezvous", d, "the new trainer 0's address")
         bounded_get(ray, [t.init_process_groups.remote(master, port, len(trainers), r, len(trainers),
-                                                       self.cfg.sync.timeout_s) for r, t in enumerate(trainers)],
+                                                       self.cfg.sync.timeout_s, ctl.placement.trainer_tp)
+                          for r, t in enumerate(trainers)],
                     "rendezvous", d, "the new trainer group's process groups")
         bounded_get(ray, ctl.build_trainers(), "loading", d, "rebuilding the trainer engines")
         others = {k: w for k, w in failed.items() if not k.startswith("trainer-")}

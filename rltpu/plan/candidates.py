@@ -292,8 +292,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated, hosts_per_slice)
     if not hw.emulated and c.feasible:  # what TorchTPU cannot run on real chips (docs/tpu.md)
         try:
-            cpr = c.trainer_tp if c.trainer_tp != 1 else 0
-            check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode, cpr)
+            # trainer TP runs one process per chip (rltpu.chips.topology.trainer_processes)
+            check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode)
         except ConfigError as e:
             c.feasible, c.reason = False, str(e)
     sample_s = sum(sample.values()) * oversub_s
