@@ -89,28 +89,15 @@ class TrainerActor:
         with self.hb.phase("probe"), self.rt.modes():
             return self.engine.probe_logits(tokens, position_ids, attention_mask)
 
-    def save_checkpoint(self, path: str, meta: dict) -> str | None:
-        """Collective over trainer ranks; rank 0 writes safetensors + JSON atomically."""
-        from learner.checkpoint import save_checkpoint
-
+    def save_checkpoint(self, path: str, meta: dict) -> str:
+        """Collective over trainer ranks: each writes its own shards; rank 0 commits (learner/checkpoint.py)."""
         with self.hb.phase("checkpointing"):
-            state = self.engine.checkpoint_state(rank0_only=True)
-            if state is None:
-                return None
-            meta = dict(meta, trainer_step=state["step"], scheduler=state["scheduler"], rng=state["rng"],
-                        critic_scheduler=state["critic_scheduler"])
-            return str(save_checkpoint(path, state["model"], state["optimizer"], meta, state["extra"],
-                                       keep=self.cfg.checkpoint.keep_last))
+            return str(self.engine.save_checkpoint(path, meta, self.cfg.checkpoint.keep_last, self.rt.trainer_group))
 
     def load_checkpoint(self, path: str) -> dict:
-        from learner.checkpoint import load_checkpoint
-
+        """Collective over trainer ranks: each reads only what overlaps its shards (any writer mesh)."""
         with self.hb.phase("loading"):
-            model_sd, optim_sd, meta = load_checkpoint(path)
-            extra = meta.pop("extra", {})
-            self.engine.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
-                                              meta.get("rng"), extra, meta.get("critic_scheduler"))
-            return meta
+            return self.engine.load_checkpoint(path, self.rt.trainer_group)
 
     def report(self) -> dict:
         return self.rt.report()

@@ -269,43 +269,16 @@ class TrainerEngine:
         return self.model(t(tokens), t(position_ids), t(attention_mask)).float().cpu().numpy()
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def checkpoint_state(self, rank0_only: bool = True) -> dict | None:
-        """Full model + optimizer state (collective over the trainer ranks; rank 0 gets it)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+    def save_checkpoint(self, directory, meta: dict, keep: int = 1, group=None):
+        """Collective over the trainer ranks (``group``: all of them; a 1-D mesh knows it): each writes
+        only its own shards (``learner.checkpoint``)."""
+        from learner.checkpoint import save_engine
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=self.mesh is not None)
-        model_sd = get_model_state_dict(self.model, options=opts)
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        extra = {}
-        if self.critic is not None:
-            extra["critic"] = (get_model_state_dict(self.critic, options=opts),
-                               get_optimizer_state_dict(self.critic, self.critic_optimizer, options=opts))
-        if rank0_only and self.mesh is not None and self.mesh.get_local_rank() != 0:
-            return None
-        return {"model": model_sd, "optimizer": optim_sd, "step": self.step, "extra": extra,
-                "scheduler": self.scheduler.state_dict(),
-                "critic_scheduler": self.critic_scheduler.state_dict() if self.critic is not None else None,
-                "rng": {"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()}}
+        return save_engine(self, directory, meta, keep, group)
 
-    def load_checkpoint_state(self, model_sd: dict, optim_sd: dict, step: int, scheduler: dict | None = None,
-                              rng: dict | None = None, extra: dict | None = None,
-                              critic_scheduler: dict | None = None) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+    def load_checkpoint(self, directory, group=None) -> dict:
+        """Collective over the trainer ranks: each reads only what overlaps its shards, whatever mesh
+        wrote the checkpoint; restores step, schedulers and RNG; returns the checkpoint's JSON."""
+        from learner.checkpoint import load_engine
 
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_sd, options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
-        if self.critic is not None:
-            if not extra or "critic" not in extra:
-                raise ValueError("checkpoint has no critic (critic.safetensors) but trainer.algorithm=ppo needs one")
-            set_model_state_dict(self.critic, extra["critic"][0], options=opts)
-            set_optimizer_state_dict(self.critic, self.critic_optimizer, extra["critic"][1], options=opts)
-            if critic_scheduler:
-                self.critic_scheduler.load_state_dict(critic_scheduler)
-        if scheduler:
-            self.scheduler.load_state_dict(scheduler)
-        if rng and "torch_cpu" in rng:
-            torch.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["torch_cpu"]), dtype=torch.uint8))
-        self.step = step
+        return load_engine(self, directory, group)

@@ -226,7 +226,7 @@ def cmd_export(args) -> int:
     from rltpu.models.hf.export import export_checkpoint
 
     try:
-        summary = export_checkpoint(args.checkpoint, args.out_dir)
+        summary = export_checkpoint(args.checkpoint, args.out_dir, args.shard_mb)
     except (ConfigError, ValueError, OSError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     import json
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export", help="write a run checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint")
     p.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--shard-mb", type=float, default=4096,
+                   help="largest weight file; bigger models are split with model.safetensors.index.json")
     p.set_defaults(func=cmd_export, overrides=[])
     from rltpu.models.hf.tiny import add_arguments
 

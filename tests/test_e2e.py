@@ -72,8 +72,9 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
     model_sd, optim_sd, meta = load_checkpoint(run_dir / "checkpoint")
     assert meta["step"] == n and meta["data"]["position"] == n * 64
     assert "model.embed_tokens.weight" in model_sd and optim_sd["state"]
-    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == [
-        "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == sorted(  # each trainer rank its shards
+        [f"{part}{suffix}" for part in ("model", "optimizer")
+         for suffix in (".index.json", "-rank00000.safetensors", "-rank00001.safetensors")] + ["trainer_state.json"])
 
 
 def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):

@@ -139,9 +139,8 @@ def test_ledger_proves_no_skip_no_replay_across_rollback(tmp_path):
 
 def _ckpt(path, step, keep):
     model = {"w": torch.full((4, 4), float(step))}
-    optim = {"state": {"w": {"exp_avg": torch.zeros(4, 4), "step": torch.tensor(float(step))}},
-             "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-    save_checkpoint(path, model, optim, {"step": step}, keep=keep)
+    optim = {"state": {"w": {"exp_avg": torch.zeros(4, 4), "step": torch.tensor(float(step))}}}
+    save_checkpoint(path, {"model": model, "optimizer": optim}, {"step": step}, keep=keep)
 
 
 def test_keep_last_and_truncated_checkpoint_falls_back(tmp_path, capsys):
@@ -151,11 +150,11 @@ def test_keep_last_and_truncated_checkpoint_falls_back(tmp_path, capsys):
     kept = [p for p in history(ck, 5) if p.exists()]
     assert [p.name for p in kept] == ["checkpoint", "checkpoint.prev", "checkpoint.prev2"]
     assert [json.loads((p / "trainer_state.json").read_text())["step"] for p in kept] == [4, 3, 2]
-    f = ck / "model.safetensors"
+    f = ck / "model-rank00000.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated
     warnings = []
     assert latest_valid(ck, 3, warnings.append) == ck.with_name("checkpoint.prev")
-    assert "model.safetensors is corrupt" in warnings[0] and "falling back" in warnings[0]
+    assert "model-rank00000.safetensors is corrupt" in warnings[0] and "falling back" in warnings[0]
     with pytest.raises(ValueError, match="corrupt"):
         load_checkpoint(ck)
     _model, _optim, meta = load_checkpoint(ck.with_name("checkpoint.prev"))

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.config import ConfigError, CriticConfig, TrainerConfig, load_config
 from rltpu.control.batch import build_train_batch, split_by_rank
@@ -44,20 +43,17 @@ def test_critic_learns_returns_and_checkpoints(tmp_path):
         errs.append(stats["value_sq_err_sum"] / stats["tokens"])
     assert errs[-1] < 0.5 * errs[0], errs  # the value model fits the returns
     # the critic (weights and AdamW state) round-trips through a checkpoint
-    state = eng.checkpoint_state()
-    meta = {"trainer_step": state["step"], "scheduler": state["scheduler"], "critic_scheduler": state["critic_scheduler"]}
-    save_checkpoint(tmp_path / "ck", state["model"], state["optimizer"], meta, state["extra"])
-    assert (tmp_path / "ck" / "critic.safetensors").exists()
-    model_sd, optim_sd, meta = load_checkpoint(tmp_path / "ck")
+    ck = eng.save_checkpoint(tmp_path / "ck", {})
+    assert (ck / "critic.index.json").exists() and (ck / "critic_optimizer-rank00000.safetensors").exists()
     fresh = TrainerEngine(MCFG, TCFG, V, SEED + 1, TEMPERATURE, critic_cfg=CCFG)
-    fresh.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta["scheduler"], None, meta["extra"],
-                                meta["critic_scheduler"])
+    fresh.load_checkpoint(ck)
     np.testing.assert_array_equal(fresh.values(batch), eng.values(batch))
     a, b = eng.train_step(batch), fresh.train_step(batch)
     assert a["value_sq_err_sum"] == pytest.approx(b["value_sq_err_sum"], rel=1e-6)
     # a PPO trainer refuses a checkpoint without a critic
+    plain = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE).save_checkpoint(tmp_path / "plain", {})
     with pytest.raises(ValueError, match="no critic"):
-        fresh.load_checkpoint_state(model_sd, optim_sd, 0, None, None, {}, None)
+        fresh.load_checkpoint(plain)
 
 
 def test_ppo_config_errors(tmp_path):

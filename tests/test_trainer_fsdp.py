@@ -1,5 +1,5 @@
 """The trainer engine: FSDP2 over 2 gloo ranks gives the single-process gradients and update,
-and a safetensors + JSON checkpoint resumes bit-for-bit.
+and a sharded safetensors + JSON checkpoint resumes bit-for-bit.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.checkpoint import load_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.config import ModelConfig, TrainerConfig
 from rltpu.control.batch import build_train_batch, split_by_rank
@@ -137,41 +137,28 @@ def test_fsdp_two_ranks_match_single_process_grads_and_step():
 # checkpoints
 
 
-def _meta(state: dict) -> dict:
-    meta = {"trainer_step": state["step"], "scheduler": state["scheduler"], "weight_version": 1}
-    if "rng" in state:
-        meta["rng"] = state["rng"]
-    return meta
-
-
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):
     batch = _global(synthetic_batch(1))
     a = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE)
     a.train_step(batch)
-    state = a.checkpoint_state()
-    ckpt = save_checkpoint(tmp_path / "checkpoint", state["model"], state["optimizer"], _meta(state))
+    ckpt = a.save_checkpoint(tmp_path / "checkpoint", {"weight_version": 1})
 
-    # only safetensors + JSON, no pickle, nothing left behind by the atomic write
+    # nothing left behind by the atomic write (no pickle: tests/test_checkpoint_sharded.py)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors",
-                                                      "trainer_state.json"]
-    for name in ("model.safetensors", "optimizer.safetensors"):
+    meta_on_disk = json.loads((ckpt / "trainer_state.json").read_text())
+    assert meta_on_disk["trainer_step"] == 1 and set(meta_on_disk["sha256"]) == {
+        "model.index.json", "model-rank00000.safetensors", "optimizer.index.json", "optimizer-rank00000.safetensors"}
+    for name in ("model-rank00000.safetensors", "optimizer-rank00000.safetensors"):
         raw = (ckpt / name).read_bytes()
-        assert raw[:1] != b"\x80"  # pickle protocol marker
         (n,) = struct.unpack("<Q", raw[:8])
         header = json.loads(raw[8:8 + n])
         assert all(v["dtype"] == "F32" for k, v in header.items() if k != "__metadata__")
-    meta_on_disk = json.loads((ckpt / "trainer_state.json").read_text())
-    assert meta_on_disk["trainer_step"] == 1 and set(meta_on_disk["sha256"]) == {"model.safetensors",
-                                                                                "optimizer.safetensors"}
 
-    model_sd, optim_sd, meta = load_checkpoint(ckpt)
-    assert meta["trainer_step"] == 1 and meta["weight_version"] == 1
     b = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE)  # a fresh process would build this
     before = _params(b)
     assert any(not np.array_equal(before[k], v) for k, v in _params(a).items())
-    b.load_checkpoint_state(model_sd, optim_sd, meta["trainer_step"], meta.get("scheduler"),
-                            **({"rng": meta["rng"]} if "rng" in meta else {}))
+    meta = b.load_checkpoint(ckpt)
+    assert meta["trainer_step"] == 1 and meta["weight_version"] == 1
     assert b.step == a.step == 1
     for k, v in _params(a).items():
         np.testing.assert_array_equal(_params(b)[k], v, err_msg=k)
@@ -207,10 +194,9 @@ def test_checkpoint_resume_needs_the_optimizer_state(tmp_path):
 def test_corrupt_checkpoint_is_refused(tmp_path):
     a = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE)
     a.train_step(_global(synthetic_batch(2)))
-    state = a.checkpoint_state()
-    ckpt = save_checkpoint(tmp_path / "ck", state["model"], state["optimizer"], _meta(state))
+    ckpt = a.save_checkpoint(tmp_path / "ck", {})
     load_checkpoint(ckpt)  # intact: loads
-    path = ckpt / "model.safetensors"
+    path = ckpt / "model-rank00000.safetensors"
     raw = bytearray(path.read_bytes())
     for i in (-4, -3, -2, -1):  # inside the last tensor's data: still a parseable safetensors file
         raw[i] ^= 0xFF

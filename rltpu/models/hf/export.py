@@ -1,14 +1,18 @@
 """A run checkpoint -> a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-    rltpu export RUN_DIR/checkpoint OUT_DIR
+    rltpu export RUN_DIR/checkpoint OUT_DIR [--shard-mb 4096]
 
-Reads ``trainer_state.json`` (the run's config) and ``model.safetensors`` (HF names already) and
-writes ``OUT_DIR/config.json`` (the family's ``architectures`` class, sizes, RoPE, special ids),
-``model.safetensors`` (streamed tensor by tensor, tagged ``format: pt``) and the tokenizer:
-the files of the run's tokenizer directory (``task.tokenizer`` or ``model.path``) copied
-verbatim, or, for runs on the built-in character tokenizer, an equivalent ``tokenizers``
-tokenizer built here (same ids). The export needs neither ``transformers`` nor the source model
-directory's weights; only its tokenizer files, when the run used one.
+Reads ``trainer_state.json`` (the run's config) and the policy's weights, HF names already: the
+sharded layout (``model.index.json`` + each trainer rank's ``model-rank<r>.safetensors``,
+``rltpu.models.hf.shards``) or the earlier single ``model.safetensors``. Writes
+``OUT_DIR/config.json`` (the family's ``architectures`` class, sizes, RoPE, special ids), the
+weights tensor by tensor (each assembled from the ranks' chunks, written, dropped: one tensor in
+memory, never the model) as ``model.safetensors`` or, past ``--shard-mb``, as
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (tagged ``format: pt``),
+and the tokenizer: the files of the run's tokenizer directory (``task.tokenizer`` or
+``model.path``) copied verbatim, or, for runs on the built-in character tokenizer, an equivalent
+``tokenizers`` tokenizer built here (same ids). The export needs neither ``transformers`` nor the
+source model directory's weights; only its tokenizer files, when the run used one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from rltpu.config import ModelConfig
 from rltpu.models.hf.config import to_hf_config
+from rltpu.models.hf.shards import ShardedPart
 from rltpu.models.hf.weights import CheckpointError, SafetensorsFile, write_safetensors
 
 # the tokenizer files of a HF directory (the data side's HFTokenizer.save copies the same set)
@@ -76,7 +81,7 @@ def _copy_tokenizer(src: Path, out: Path) -> dict:
     return ids
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> dict:
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb: float = 4096) -> dict:
     """Write the HF directory; returns a summary (architecture, tensors, files)."""
     ckpt = Path(checkpoint_dir)
     state_path = ckpt / "trainer_state.json"
@@ -91,7 +96,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> dict:
     source_path = model_dict.pop("path", None)
     # every architecture field is in the saved config already: validate without re-reading model.path
     cfg = ModelConfig.model_validate(model_dict)
-    weights = SafetensorsFile(ckpt / "model.safetensors")
+    weights = ShardedPart(ckpt, "model") if (ckpt / "model.index.json").is_file() else \
+        SafetensorsFile(ckpt / "model.safetensors")
     if "model.embed_tokens.weight" not in weights.entries:
         raise CheckpointError(f"{weights.path}: tensor model.embed_tokens.weight is missing")
     vocab = weights.shape("model.embed_tokens.weight")[0]
@@ -116,6 +122,35 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> dict:
     hf = to_hf_config(cfg, vocab, ids.get("bos"), ids.get("eos"), ids.get("pad"))
     (out / "config.json").write_text(json.dumps(hf, indent=1))
     spec = [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
-    write_safetensors(out / "model.safetensors", spec, weights.read, metadata={"format": "pt"})
+    _write_weights(out, spec, weights.read, int(shard_mb * 2**20))
     return {"out_dir": str(out), "architecture": hf["architectures"][0], "tensors": len(spec),
             "step": meta.get("step"), "files": sorted(f.name for f in out.iterdir())}
+
+
+def _write_weights(out: Path, spec: list, read, shard_bytes: int) -> None:
+    """``model.safetensors``, or shards of at most ``shard_bytes`` (a larger tensor alone) + the index."""
+    import math
+
+    from rltpu.models.hf.weights import _ST_DTYPES, _ST_OF
+
+    size = lambda s: math.prod(s[1]) * _ST_DTYPES[_ST_OF[s[2]]][1]  # noqa: E731
+    shards, cur, cur_bytes = [], [], 0
+    for s in spec:
+        if cur and cur_bytes + size(s) > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(s)
+        cur_bytes += size(s)
+    shards.append(cur)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous export into the same directory
+    if len(shards) == 1:
+        write_safetensors(out / "model.safetensors", spec, read, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, part in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / fname, part, read, metadata={"format": "pt"})
+        weight_map.update({name: fname for name, _, _ in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(size(s) for s in spec)}, "weight_map": weight_map}, indent=1))

@@ -1,0 +1,155 @@
+"""A sharded run checkpoint's files, read and written without torch.distributed.
+
+Each part of a run checkpoint (``model``, ``optimizer``, ``critic``, ``critic_optimizer``) is
+``<part>.index.json`` plus one ``<part>-rank<r>.safetensors`` per trainer rank that held data:
+
+    {"format": FORMAT, "world": 2,
+     "tensors": {name: {"dtype": "float32", "shape": [17, 32],
+                        "chunks": [{"offsets": [0, 0], "sizes": [9, 32], "file": "model-rank00000.safetensors",
+                                    "key": name}, ...]}},
+     "files": {"model-rank00000.safetensors": "<sha256>", ...}}
+
+``learner.checkpoint`` writes them (torch.distributed.checkpoint through a safetensors storage
+writer, every rank its own chunks); ``rltpu export`` and the loader read them here, one region of
+one chunk at a time (``SafetensorsFile``: ``readinto``, no memory map). JSON and safetensors
+only: nothing on disk is a pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+from rltpu.models.hf.weights import CheckpointError, SafetensorsFile
+
+FORMAT = "rltpu-sharded-safetensors/1"
+_ST = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
+       "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def dtype_name(dtype) -> str:
+    """``torch.float32`` -> ``"float32"``; a dtype safetensors cannot hold is a one-line error."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _ST:
+        raise CheckpointError(f"checkpoint: dtype {name} has no safetensors encoding (supported: {', '.join(_ST)})")
+    return name
+
+
+def write_chunks(path: Path, tensors: list[tuple[str, object]], metadata: dict | None = None) -> str:
+    """Stream ``[(key, tensor)]`` into one safetensors file, one tensor copied to host at a time;
+    fsynced; returns the file's sha256 (hashed while writing, so it is never read back)."""
+    import torch
+
+    header: dict = {"__metadata__": {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}}
+    offset = 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST[dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for block in (len(raw).to_bytes(8, "little"), raw):
+            f.write(block)
+            h.update(block)
+        for _key, t in tensors:
+            if t.numel() == 0:
+                continue
+            host = t.detach().to("cpu").contiguous()
+            view = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+            f.write(view)
+            h.update(view)
+            del host, view
+        f.flush()
+        os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def write_index(path: Path, tensors: dict, files: dict[str, str], world: int) -> None:
+    """``<part>.index.json``, written to a temporary name, fsynced and renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "world": world, "tensors": tensors, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+
+
+class ShardedPart:
+    """One part of a sharded checkpoint: names, global shapes and dtypes, and reads of a region of a
+    stored chunk or of a whole tensor (assembled from its chunks; ``rltpu export`` streams these)."""
+
+    def __init__(self, directory: str | Path, part: str):
+        self.dir = Path(directory)
+        self.path = self.dir / f"{part}.index.json"
+        try:
+            index = json.loads(self.path.read_text())
+        except OSError as err:
+            raise CheckpointError(f"{self.path}: cannot read ({err.strerror or err})") from None
+        except ValueError:
+            raise CheckpointError(f"{self.path}: corrupt (not JSON)") from None
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path}: not an rltpu sharded checkpoint index (format "
+                                  f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT})")
+        self.world = index.get("world")
+        self.files: dict[str, str] = index["files"]
+        self.entries: dict[str, dict] = index["tensors"]
+        self._open: dict[str, SafetensorsFile] = {}
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name]["dtype"]
+
+    def chunks(self, name: str) -> list[dict]:
+        return self.entries[name]["chunks"]
+
+    def _file(self, file: str) -> SafetensorsFile:
+        if file not in self._open:
+            self._open[file] = SafetensorsFile(self.dir / file)
+        return self._open[file]
+
+    def read_region(self, chunk: dict, offsets, lengths):
+        """``lengths`` elements per dim from ``offsets`` inside the stored ``chunk``: only its rows
+        ``[offsets[0], offsets[0] + lengths[0])`` are read from disk, then the other dims narrowed."""
+        f = self._file(chunk["file"])
+        key = chunk["key"]
+        if key not in f.entries:
+            raise CheckpointError(f"{f.path}: tensor {key} is listed in {self.path.name} but not in the file")
+        if tuple(f.shape(key)) != tuple(chunk["sizes"]):
+            raise CheckpointError(f"{f.path}: tensor {key} has shape {list(f.shape(key))} but {self.path.name} "
+                                  f"says {chunk['sizes']}")
+        if not chunk["sizes"]:  # a scalar (an optimizer's step)
+            return f.read(key)
+        t = f.read(key, (int(offsets[0]), int(offsets[0]) + int(lengths[0])))
+        for d in range(1, len(lengths)):
+            if int(lengths[d]) != t.shape[d]:
+                t = t.narrow(d, int(offsets[d]), int(lengths[d]))
+        return t
+
+    def read(self, name: str):
+        """The whole tensor ``name``: every chunk copied into place (one chunk in flight)."""
+        import torch
+
+        e = self.entries[name]
+        out = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        covered = 0
+        for c in e["chunks"]:
+            region = self.read_region(c, [0] * len(c["sizes"]), c["sizes"])
+            dst = out
+            for d, (o, n) in enumerate(zip(c["offsets"], c["sizes"])):
+                dst = dst.narrow(d, o, n)
+            dst.copy_(region)
+            covered += math.prod(c["sizes"])
+        if covered != math.prod(e["shape"]):
+            raise CheckpointError(f"{self.path}: tensor {name}: its chunks cover {covered} of "
+                                  f"{math.prod(e['shape'])} elements")
+        return out
