@@ -8,7 +8,8 @@
     rltpu dashboard [RUN_DIR] [--port 8266]          # live page on 127.0.0.1, Prometheus text at /metrics
 
 User errors (config, placement) print one line and exit with code 2, with no traceback. SIGTERM
-stops a run like Ctrl-C (checkpoint of the last landed step, exit 143); a job stopped by its
+stops a run like Ctrl-C (checkpoint of the last landed step, exit 143), and so does SIGHUP from a
+closed terminal (exit 129; under ``nohup`` it stays ignored); a job stopped by its
 health policy (an actor failed past ``health.max_restarts``) exits with 3.
 """
 
@@ -61,8 +62,8 @@ def preflight_real_chips(cfg, address: str | None) -> None:
 
 
 def cmd_train(args) -> int:
-    """One interrupt path: SIGINT or SIGTERM at any point (start-up, sample, train, sync, checkpoint)
-    -> ``Controller.stop_on_interrupt`` (checkpoint) -> one line, exit 130 / 143."""
+    """One interrupt path: SIGINT, SIGTERM or SIGHUP at any point (start-up, sample, train, sync,
+    checkpoint) -> ``Controller.stop_on_interrupt`` (checkpoint) -> one line, exit 130 / 143 / 129."""
     import signal
 
     from rltpu.control.interrupts import INTERRUPTS

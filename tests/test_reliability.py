@@ -301,3 +301,56 @@ def test_a_swallowed_interrupt_is_raised_again_at_the_next_check():
             it2.handler(signal.SIGTERM, None)  # held, not raised here
             held = True
     assert held and it2.exit_code() == 143
+
+
+_HANGUP_CHILD = """
+import os, signal, sys, time
+from rltpu.control.interrupts import Interrupts
+it = Interrupts()
+it.install()
+try:
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+except KeyboardInterrupt:
+    it.acknowledge()
+    it.ignore()
+    for _ in range(200):  # the stop path keeps printing to the terminal that is gone
+        print("rltpu: stopped by " + it.name() + " " + "x" * 200, file=sys.stderr, flush=True)
+    with open(sys.argv[1], "w") as f:  # stands in for the checkpoint the stop path writes
+        f.write(it.name())
+    it.restore()
+    sys.exit(it.exit_code())
+"""
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_running(tmp_path, nohup):
+    """SIGHUP (terminal closed, SSH dropped) takes the interrupt path: exit 129 after the stop path ran,
+    although every write to the hung-up terminal would raise EIO. Under ``nohup`` (SIGHUP inherited
+    as ignored) the run goes on."""
+    import pty
+    import signal
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    done = tmp_path / "stopped"
+    pre = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    proc = subprocess.Popen([sys.executable, "-c", _HANGUP_CHILD, str(done)], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                            preexec_fn=pre, env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    os.close(slave)
+    seen = b""
+    while b"ready\r\n" not in seen:  # the whole line, so the child is not writing when the terminal goes
+        seen += os.read(master, 100)
+    os.close(master)  # the terminal goes away: writes to it now fail with EIO
+    os.killpg(proc.pid, signal.SIGHUP)
+    if nohup:
+        time.sleep(1.0)
+        assert proc.poll() is None and not done.exists()
+        proc.kill()
+        proc.wait()
+        return
+    assert proc.wait(timeout=60) == 129
+    assert done.read_text() == "SIGHUP"

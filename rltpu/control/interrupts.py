@@ -1,5 +1,10 @@
-"""The one interrupt path's signal side: SIGINT and SIGTERM both become ``KeyboardInterrupt`` in the
-driver's main thread, remembered so the CLI exits 130 (SIGINT) or 143 (SIGTERM).
+"""The one interrupt path's signal side: SIGINT, SIGTERM and SIGHUP all become ``KeyboardInterrupt`` in
+the driver's main thread, remembered so the CLI exits 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP).
+
+SIGHUP is what a closed terminal or a dropped SSH session sends: without a handler it kills the driver
+with no checkpoint. A SIGHUP that arrives already ignored (``nohup rltpu train ...``) stays ignored.
+After a hang-up the terminal is gone and writing to it fails (EIO): the handler points a terminal's
+stdout/stderr at /dev/null first, so the stop path's output cannot break the checkpoint.
 
 ``deferred()`` holds a signal that arrives during a few statements that must happen together (a
 step's batch reaching the trainers, the step count and its ledger line) and raises it right after.
@@ -9,11 +14,37 @@ not cut it short (SIGKILL still can).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}  # 128 + signal number
+
+
+def _terminal_fds() -> list[int]:
+    """The fds of stdout/stderr that are a terminal now (after a hang-up ``isatty`` may fail with EIO)."""
+    fds = []
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if os.isatty(stream.fileno()):
+                fds.append(stream.fileno())
+        except (OSError, ValueError, AttributeError):  # a replaced or closed stream
+            pass
+    return fds
+
+
+def _detach(fds: list[int]) -> None:
+    """Point ``fds`` at /dev/null: after a hang-up every write to the terminal would raise EIO."""
+    for fd in fds:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except OSError:
+            pass
 
 
 class Interrupts:
@@ -23,18 +54,21 @@ class Interrupts:
         self._pending = False
         self._unacknowledged = False
         self._previous: dict = {}
+        self._terminal: list[int] = []  # stdout/stderr fds that were a terminal at install()
 
     @property
     def first(self) -> int | None:
         return self.received[0] if self.received else None
 
     def exit_code(self) -> int:
-        return 143 if self.first == signal.SIGTERM else 130
+        return EXIT_CODES.get(self.first, 130)
 
     def name(self) -> str:
         return signal.Signals(self.first).name if self.first else "SIGINT"
 
     def handler(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            _detach(self._terminal)
         self.received.append(signum)
         self._unacknowledged = True
         if self._depth:
@@ -54,17 +88,22 @@ class Interrupts:
         self._unacknowledged = False
 
     def install(self) -> None:
-        """Both signals -> ``handler`` (main thread only; elsewhere a no-op). Also after ``ray.init``,
-        which installs its own SIGTERM handler (sys.exit)."""
+        """The signals -> ``handler`` (main thread only; elsewhere a no-op). Also after ``ray.init``,
+        which installs its own SIGTERM handler (sys.exit). An ignored SIGHUP (nohup) stays ignored."""
         if threading.current_thread() is not threading.main_thread():
             return
+        self._terminal = self._terminal or _terminal_fds()
         for s in SIGNALS:
+            if s == signal.SIGHUP and s not in self._previous and signal.getsignal(s) == signal.SIG_IGN:
+                continue
             prev = signal.signal(s, self.handler)
             self._previous.setdefault(s, prev)
 
     def ignore(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
+                if s not in self._previous:  # a nohup-ignored SIGHUP: restore() must leave it ignored
+                    self._previous[s] = signal.getsignal(s)
                 signal.signal(s, signal.SIG_IGN)
 
     def restore(self) -> None:
