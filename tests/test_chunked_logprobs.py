@@ -2,8 +2,8 @@
 the same values and gradients as the whole-sequence computation, and what backward keeps is bounded
 by the chunk, not by tokens x vocabulary.
 
-The memory figure for the report: ``python tests/test_chunked_logprobs.py`` (peak RSS of one
-logprob + entropy forward/backward at Qwen's 151,936 vocabulary, whole vs chunked, fresh process each).
+The memory figure: ``python benchmarks/logprob_memory.py`` (peak RSS of one logprob + entropy
+forward/backward at Qwen's 151,936 vocabulary and 4,096 tokens, whole vs chunked, fresh process each).
 """
 
 from __future__ import annotations
@@ -147,42 +147,3 @@ def test_chunk_knob_is_validated():
     assert TrainerConfig().logprob_chunk_tokens == 512
     with pytest.raises(ValueError):
         TrainerConfig(logprob_chunk_tokens=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# the memory figure (not a test): python tests/test_chunked_logprobs.py [tokens] [vocab] [hidden]
-
-
-def _measure(mode: str, n: int, v: int, h: int) -> None:
-    import resource
-
-    torch.manual_seed(0)
-    hidden = torch.randn(n, h, requires_grad=True)
-    weight = (torch.randn(v, h) * 0.05).requires_grad_()
-    targets = torch.randint(0, v, (n,))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if mode == "before":  # the trainer before chunking: full fp32 logits, then two log-softmaxes
-        logits = torch.nn.functional.linear(hidden, weight).float()
-        lp = token_logprobs(logits, targets)
-        ent = token_entropy(logits)
-        del logits
-    else:
-        lp, ent = token_logprobs_entropy(hidden, targets, 1.0, True, int(mode), weight=weight)
-    (lp.sum() + 0.01 * ent.sum()).backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"{mode:>7}: peak RSS above inputs {(peak - base) / 1024:8.1f} MB "
-          f"({(peak - base) * 1024 / n / 1e3:7.1f} KB/token)", flush=True)
-
-
-if __name__ == "__main__":
-    import subprocess
-    import sys
-
-    if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        _measure(sys.argv[2], *map(int, sys.argv[3:6]))
-        sys.exit(0)
-    n, v, h = (list(map(int, sys.argv[1:4])) + [0, 0, 0])[:3]
-    n, v, h = n or 1024, v or 151_936, h or 896
-    print(f"{n} tokens, vocab {v}, hidden {h}: one logprob + entropy forward/backward (fresh process each)")
-    for mode in ("before", "0", "512", "128"):
-        subprocess.run([sys.executable, __file__, "--one", mode, str(n), str(v), str(h)], check=True)
