@@ -140,3 +140,25 @@ def _write(tmp_path, data):
     out = tmp_path / "placed.yaml"
     out.write_text(yaml.safe_dump(data))
     return out
+
+
+def test_a_model_that_does_not_split_is_not_runnable_at_that_width(tmp_path):
+    """14 heads and 2 kv heads (Qwen2-0.5B's attention): a sampler mesh of 4 or a trainer TP group of 4
+    would be refused by the runtime (heads do not divide), so the planner never offers them; 2 is fine
+    for both."""
+    cfg = load_config(write_cfg(
+        tmp_path, "q05", cluster={"generation": "v5e", "topology": "4x4"},
+        placement={"sampler_chips": 8, "trainer_chips": 8},
+        model={**LLAMA_1B, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+               "intermediate_size": 4864, "dtype": "bfloat16"},
+        sampler={"group_size": 8, "max_new_tokens": 256, "batch_buckets": [16, 32, 64, 128], "prompt_buckets": [256]},
+        trainer={"prompts_per_step": 16}, backend={"matmul_precision": "medium"}))
+    plan = make_plan(cfg)
+    by_width = {}
+    for c in plan.candidates:
+        if c.mode != "colocated":
+            by_width.setdefault((c.chips_per_sampler, c.chips_per_trainer), c)
+    assert by_width[(4, 1)].not_runnable == "chips_per_sampler=4: model num_attention_heads=14 does not divide by 4"
+    assert by_width[(1, 4)].not_runnable == "chips_per_trainer=4: model num_attention_heads=14 does not divide by 4"
+    assert by_width[(2, 2)].runnable
+    assert plan.winner is not None and plan.winner.runnable

@@ -52,6 +52,7 @@ class Candidate:
     trainer_fsdp: int = 1
     trainer_tp: int = 1
     micro_rows: float = 0.0  # trainer rows per forward/backward (< the shard: gradient accumulation)
+    split_refusal: str = ""  # the model does not split over chips_per_* (heads / kv heads / MLP width)
     _ranks: list | None = field(default=None, repr=False, compare=False)
     _where: tuple | None = field(default=None, repr=False, compare=False)  # (cfg, table) it was costed on
 
@@ -82,7 +83,8 @@ class Candidate:
         if self.mode not in RUNNABLE_MODES:
             return f"placement mode {self.mode} is not run by rltpu train"
         return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False,
-                                         mode="colocated" if self.mode == "colocated" else "disaggregated")
+                                         mode="colocated" if self.mode == "colocated" else "disaggregated") \
+            or self.split_refusal
 
     @property
     def runnable(self) -> bool:
@@ -189,6 +191,20 @@ def _pinned(cfg: RunConfig, c: Candidate) -> bool:
         c.as_configured and (p.sampler_chip_ids is not None or p.trainer_chip_ids is not None))
 
 
+def split_refusal(m: cm.ModelShape, sampler_tp: int, trainer_tp: int) -> str:
+    """Why the runtime would refuse to split this model over the candidate's chips ("" when it can):
+    the sampler mesh needs heads and MLP width divisible by k (``rltpu.sampling.tp.plan``), the
+    trainer's TP group also kv heads (``rltpu.models.tp_plan.tp_problem``)."""
+    for role, k, dims in (("sampler", sampler_tp, (("num_attention_heads", m.heads), ("intermediate_size", m.inter))),
+                          ("trainer", trainer_tp, (("num_attention_heads", m.heads),
+                                                   ("num_key_value_heads", m.kv_heads),
+                                                   ("intermediate_size", m.inter)))):
+        for what, n in dims:
+            if k > 1 and n % k:
+                return f"chips_per_{role}={k}: model {what}={n} does not divide by {k}"
+    return ""
+
+
 def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm.ModelShape,
              w: cm.Workload, detailed: bool = False) -> Candidate:
     """Fill in memory, feasibility, phases, route and warnings. Costs come from actor counts per
@@ -207,6 +223,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     fsdp_chips = c.sampler_chips if colocated else c.trainer_chips
     c.sampler_tp, c.trainer_fsdp = c.chips_per_sampler, n_t
     c.trainer_tp = c.chips_per_sampler if colocated else c.chips_per_trainer
+    c.split_refusal = split_refusal(m, c.sampler_tp, c.trainer_tp)
 
     # -- memory per chip
     rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
