@@ -25,7 +25,7 @@ demo: setup
 	$(VENV)/bin/rltpu train configs/quickstart.yaml
 
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest tests, printed for whoever shortens CI next
 
 # tests/test_plan.py opens the plan's HTML report in headless Chromium. CI is a fresh machine
 # running as root: install the Debian package there; elsewhere (or offline) the test skips.
