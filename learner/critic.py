@@ -33,16 +33,12 @@ def critic_state_from_policy(policy_state: dict[str, torch.Tensor]) -> dict[str,
 
 def load_backbone_from_checkpoint(critic: LlamaForValue, cfg) -> None:
     """Stream the policy checkpoint at ``cfg.path`` into the critic's backbone (``model.*``), each
-    FSDP rank only its rows, like the policy itself (``rltpu.models.hf.load``); the head stays at zero."""
-    from rltpu.models.hf.load import _local_rows
+    rank only its FSDP x TP block, like the policy itself (``rltpu.models.hf.load``); the head stays at zero."""
+    from rltpu.models.hf.load import stream_into
     from rltpu.models.hf.weights import CheckpointDir
 
-    ckpt = CheckpointDir(cfg.path)
     params = {k: v for k, v in critic.named_parameters() if k.startswith("model.")}
+    stream_into(params, CheckpointDir(cfg.path))
     with torch.no_grad():
-        for name in ckpt.by_file(params):
-            local, rows = _local_rows(params[name], ckpt.shape(name)[0])
-            if rows is None or rows[0] < rows[1]:
-                local.copy_(ckpt.read(name, rows))
         head = critic.score.weight
         (head.to_local() if hasattr(head, "to_local") else head).zero_()

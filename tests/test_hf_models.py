@@ -216,7 +216,8 @@ def _fsdp_load_worker(rank, world, port, path, q):
         cfg = ModelConfig(path=path)
         reads = []
         orig = hf_load.CheckpointDir.read
-        hf_load.CheckpointDir.read = lambda self, name, rows=None: (reads.append((name, rows)), orig(self, name, rows))[1]
+        hf_load.CheckpointDir.read = lambda self, name, rows=None, cols=None: (reads.append((name, rows)),
+                                                                               orig(self, name, rows, cols))[1]
         eng = TrainerEngine(cfg, TrainerConfig(kl_coef=0.1), cfg.vocab_size, 0, mesh=mesh)
         full = {k: v.float().numpy().copy() for k, v in eng.full_state_dict().items()}  # numpy: by value
         local = sum(p.to_local().numel() for p in eng.model.parameters())

@@ -1,11 +1,15 @@
-"""Load a Hugging Face directory's weights into the trainer's (FSDP-sharded) policy or the
+"""Load a Hugging Face directory's weights into the trainer's (FSDP x TP-sharded) policy or the
 sampler's JAX params, by name, one tensor at a time.
 
-Trainer: the policy is built on the ``meta`` device, wrapped with ``fully_shard`` (FSDP2 shards
-each parameter's dim 0 in ``torch.chunk`` pieces), given real storage with ``to_empty``, and then
-each rank reads *only its rows* of each tensor from the safetensors file into its local shard.
-No rank ever holds a full copy of the model, and no step holds two (see
-``benchmarks/load_memory.py`` for the measured peak).
+Trainer: the policy is built on the ``meta`` device, parallelized (tensor parallelism over
+``"tp"``, then ``fully_shard`` over the FSDP axis: ``learner.fsdp.parallelize_llama``), given real
+storage with ``to_empty``, and then each rank reads *only its block* of each tensor from the
+safetensors file into its local shard. The block comes from the parameter's own DTensor layout
+(``compute_local_shape_and_global_offset`` of its mesh and placements), so it is whatever the
+plan made: a colwise q/k/v/gate/up weight's TP rows then FSDP's piece of them, a rowwise
+o_proj/down weight's FSDP rows x its TP columns, a whole tensor's FSDP rows. No rank ever holds a
+full copy of a split tensor, and no step holds two (see ``benchmarks/load_memory.py`` for the
+measured peak).
 
 Sampler: in a run the samplers receive version 0 over weight sync from the trainer (the weights
 the trainer just loaded), so only the trainers read the directory; ``load_jax_params`` exists for
@@ -19,49 +23,64 @@ from typing import Any
 from rltpu.models.hf.weights import CheckpointDir, CheckpointError
 
 
-def _local_rows(param, n_rows: int) -> tuple[Any, tuple[int, int] | None]:
-    """(local tensor, rows of the global tensor it holds) for a plain or FSDP2 (Shard(0)) parameter."""
-    from torch.distributed.tensor import DTensor, Shard
+def local_block(param, shape: tuple[int, ...]) -> tuple[Any, tuple[tuple[int, int], ...] | None]:
+    """(local tensor, its ``[lo, hi)`` range in each dim of the global tensor) for a plain parameter
+    (None: all of it) or a DTensor of any Shard/Replicate layout whose local part is one box."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         return param, None
-    if len(param.placements) != 1 or param.placements[0] != Shard(0):
-        raise CheckpointError(f"cannot stream into placements {param.placements} (expected FSDP2's Shard(0))")
+    if any(isinstance(p, Partial) for p in param.placements):
+        raise CheckpointError(f"cannot stream into placements {param.placements} (a Partial parameter has no slice "
+                              f"of the checkpoint); load before the plan makes it Partial")
+    size, offset = compute_local_shape_and_global_offset(tuple(shape), param.device_mesh, param.placements)
     local = param.to_local()
-    world, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-    chunk = -(-n_rows // world)  # torch.chunk: ceil-sized pieces, the last ones short or empty
-    start = min(rank * chunk, n_rows)
-    if start + local.shape[0] > n_rows:
-        raise CheckpointError(f"FSDP shard of {n_rows} rows on rank {rank}/{world} has {local.shape[0]} rows; "
-                              f"unexpected sharding")
-    return local, (start, start + local.shape[0])
+    if tuple(local.shape) != tuple(size):  # the layout's box is not the rank's local tensor
+        raise CheckpointError(f"shard of {list(shape)} under {param.placements} should be {list(size)} at "
+                              f"{list(offset)} but this rank holds {list(local.shape)}; unexpected sharding")
+    return local, tuple((o, o + n) for o, n in zip(offset, size))
 
 
-def load_policy_weights(model, cfg, vocab_size: int | None = None) -> dict:
-    """Copy the checkpoint at ``cfg.path`` into ``model`` (plain or FSDP2-wrapped), each rank its
-    own rows; cast to the parameter dtype. Returns {"tensors", "bytes_read"}."""
+def stream_into(params: dict, ckpt: CheckpointDir) -> int:
+    """Read each parameter's own block from ``ckpt`` into its local tensor (cast to its dtype);
+    returns the bytes read. Only dims 0 (rows) and 1 (columns of a 2-D weight) are ever split."""
     import torch
 
-    ckpt = CheckpointDir(cfg.path)
-    ckpt.check(cfg, vocab_size)
-    params = dict(model.named_parameters())
     read = 0
     with torch.no_grad():
         for name in ckpt.by_file(params):
-            p = params[name]
-            local, rows = _local_rows(p, ckpt.shape(name)[0])
-            if rows is not None and rows[0] == rows[1]:
-                continue  # this rank holds no rows of a short tensor
-            t = ckpt.read(name, rows)
+            shape = ckpt.shape(name)
+            local, box = local_block(params[name], shape)
+            if box is None:
+                t = ckpt.read(name)
+            else:
+                if any(hi <= lo for lo, hi in box):
+                    continue  # this rank holds none of a short tensor
+                if any(box[d] != (0, shape[d]) for d in range(2, len(shape))):
+                    raise CheckpointError(f"{name}: shard {list(box)} splits a dim past 1; only rows and columns "
+                                          f"are read in blocks")
+                rows = box[0]
+                cols = box[1] if len(shape) > 1 and box[1] != (0, shape[1]) else None
+                t = ckpt.read(name, rows, cols)
             local.copy_(t)
             read += t.numel() * t.element_size()
             del t
-    return {"tensors": len(params), "bytes_read": read}
+    return read
+
+
+def load_policy_weights(model, cfg, vocab_size: int | None = None) -> dict:
+    """Copy the checkpoint at ``cfg.path`` into ``model`` (plain, FSDP2 or FSDP x TP), each rank its
+    own block; cast to the parameter dtype. Returns {"tensors", "bytes_read"}."""
+    ckpt = CheckpointDir(cfg.path)
+    ckpt.check(cfg, vocab_size)
+    params = dict(model.named_parameters())
+    return {"tensors": len(params), "bytes_read": stream_into(params, ckpt)}
 
 
 def build_policy(cfg, vocab_size: int, parallelize=None, device: str = "cpu"):
     """The trainer's policy loaded from ``cfg.path``: meta build -> ``parallelize(model)`` (e.g.
-    FSDP2 ``fully_shard``) -> ``to_empty`` -> each rank streams in its shard."""
+    ``parallelize_llama``: TP, then FSDP2) -> ``to_empty`` -> each rank streams in its shard."""
     import torch
 
     from rltpu.models.torch_llama import LlamaForCausalLM

@@ -86,11 +86,14 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return self.entries[name][0]
 
-    def read(self, name: str, rows: tuple[int, int] | None = None):
-        """Tensor ``name`` (torch, its stored dtype), or only rows ``[a, b)`` of dim 0."""
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        """Tensor ``name`` (torch, its stored dtype), or only rows ``[a, b)`` of dim 0 (and of a 2-D
+        tensor only columns ``[c, d)``: a tensor-parallel rank's block of a row-split projection)."""
         import torch
 
         dtype, shape, begin, end = self.entries[name]
+        if cols is not None:
+            return self._read_block(name, rows or (0, shape[0]), cols)
         if rows is not None:
             a, b = rows
             row_bytes = (end - begin) // shape[0] if shape and shape[0] else 0
@@ -102,6 +105,29 @@ class SafetensorsFile:
         if got != end - begin:
             raise CheckpointError(f"{self.path}: truncated while reading tensor {name}")
         return buf.view(getattr(torch, dtype)).reshape(shape)
+
+    def _read_block(self, name: str, rows: tuple[int, int], cols: tuple[int, int]):
+        """Rows ``[a, b)`` x columns ``[c, d)`` of a 2-D tensor: one positioned read per row of exactly
+        its ``d - c`` columns, so only the block's bytes are read (never the full rows)."""
+        import torch
+
+        dtype, shape, begin, end = self.entries[name]
+        if len(shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {list(shape)}; a column block needs 2-D")
+        (a, b), (c, d) = rows, cols
+        item = (end - begin) // max(1, math.prod(shape))
+        width, row_bytes = (d - c) * item, shape[1] * item
+        buf = torch.empty((b - a) * width, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i in range(b - a):
+                at = self.data_start + begin + (a + i) * row_bytes + c * item
+                if os.preadv(fd, [view[i * width:(i + 1) * width]], at) != width:
+                    raise CheckpointError(f"{self.path}: truncated while reading tensor {name}")
+        finally:
+            os.close(fd)
+        return buf.view(getattr(torch, dtype)).reshape(b - a, d - c)
 
     def read_numpy(self, name: str) -> np.ndarray:
         """Tensor ``name`` as numpy; bf16 comes back as ``ml_dtypes.bfloat16`` (JAX's bfloat16)."""
@@ -180,8 +206,8 @@ class CheckpointDir:
                                       f"{cfg.architecture} model without it)")
         return want
 
-    def read(self, name: str, rows: tuple[int, int] | None = None):
-        return self.file(self.where[name]).read(name, rows)
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+        return self.file(self.where[name]).read(name, rows, cols)
 
     def read_numpy(self, name: str) -> np.ndarray:
         return self.file(self.where[name]).read_numpy(name)
