@@ -82,6 +82,12 @@ class ColocatedActor(TrainerActor):
         self.calls += 1
         return out
 
+    def generate_eval(self, prompts: list[list[int]], n_per_prompt: int, seed: int, greedy: bool) -> dict:
+        from actors.sampler_actor import eval_generate
+
+        with self.hb.phase("sampling"):
+            return eval_generate(self, self.sampler, prompts, n_per_prompt, seed, greedy)
+
     def sampler_probe_logits(self, tokens, position_ids, attention_mask):
         return self.sampler.probe_logits(tokens, position_ids, attention_mask)
 

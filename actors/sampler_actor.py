@@ -6,6 +6,23 @@ from rltpu.observe.health import Heartbeat
 from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
+def eval_generate(actor, engine, prompts: list[list[int]], n: int, seed: int, greedy: bool, devices=None) -> dict:
+    """Evaluation rows (never trained on). Greedy runs on a temperature-0 twin of ``engine`` (the
+    temperature is compiled into the programs) that shares its weights; the twin keeps its own
+    compile counters, so the training steps' ``compiles`` stay what training did."""
+    if not greedy:
+        return engine.generate(prompts, n, seed)
+    twin = getattr(actor, "_greedy", None)
+    if twin is None:
+        from rltpu.sampling.engine import SamplerEngine
+
+        shapes = {k: (tuple(s.shape), str(s.dtype)) for k, s in engine.param_structs.items()}
+        twin = actor._greedy = SamplerEngine(engine.mcfg, engine.cfg.model_copy(update={"temperature": 0.0}),
+                                             engine.vocab_size, engine.pad_id, engine.eos_id, shapes, devices)
+    twin.params, twin.version = engine.params, engine.version
+    return twin.generate(prompts, n, seed)
+
+
 class SamplerActor:
     def __init__(self, rank: int, cfg_dict: dict):
         from rltpu.config import RunConfig
@@ -97,6 +114,10 @@ class SamplerActor:
             out = self.engine.generate(prompts, n_per_prompt, seed)
         self.calls += 1
         return out
+
+    def generate_eval(self, prompts: list[list[int]], n_per_prompt: int, seed: int, greedy: bool) -> dict:
+        with self.hb.phase("sampling"):
+            return eval_generate(self, self.engine, prompts, n_per_prompt, seed, greedy, self._devices())
 
     def probe_logits(self, tokens, position_ids, attention_mask):
         with self.hb.phase("probe"):

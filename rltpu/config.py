@@ -254,6 +254,13 @@ class TaskConfig(_Section):
     reward_fn: str = "rltpu.data.rewards:partial_credit"  # any importable ``module:function``
     reward_weight: float = Field(1.0, ge=0)  # weight of reward_fn beside a reward model (0: model only)
     reward_kwargs: dict[str, Any] = {}  # keyword arguments bound to reward_fn (e.g. {column: answer})
+    # reward_fn runs in CPU-only Ray workers (no chips), each call under a deadline; a call that raises,
+    # returns a non-finite value or times out scores reward_default and is counted per step
+    reward_workers: int = Field(2, ge=1)
+    reward_concurrency: int = Field(128, ge=1)  # calls in flight per worker (threads; 1 = one at a time)
+    reward_timeout_s: float = Field(30.0, gt=0)
+    reward_default: float = 0.0
+    reward_max_failure_frac: float = Field(0.1, ge=0, le=1)  # more failed calls in a step stop the job
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
     dataset: str | None = None  # prompt file (.jsonl / .json / .parquet); None = the synthetic task
     prompt_key: str = "prompt"  # text prompt column
@@ -272,6 +279,39 @@ class TaskConfig(_Section):
                              f"(JSON Lines, a JSON list of objects, or Parquet)")
         if self.prompt_key == self.messages_key:
             raise ValueError(f"prompt_key and messages_key are both {self.prompt_key!r}; they name different columns")
+        return self
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation (``rltpu.control.evaluation``): the samplers generate for a fixed file of
+    prompts every ``every_steps`` steps and at the end; the rows never enter training or the ledger.
+
+    Greedy (temperature 0) gives ``eval/accuracy``; ``samples`` completions per prompt at the
+    sampler's own temperature give ``eval/pass@k`` (unbiased: 1 - C(n-c, k) / C(n, k)) and
+    ``eval/mean@k`` (c / n). A completion is correct when ``task.reward_fn`` scores it at least
+    ``correct_threshold``.
+    """
+
+    dataset: str  # .jsonl / .json / .parquet, the same row format as task.dataset
+    prompt_key: str = "prompt"
+    messages_key: str = "messages"
+    every_steps: int = Field(0, ge=0)  # 0: only at the end
+    at_end: bool = True
+    greedy: bool = True
+    samples: int = Field(4, ge=0)  # n sampled completions per prompt (0: greedy only)
+    k: int = Field(1, ge=1)
+    max_prompts: int | None = Field(None, ge=1)  # the file's first N rows
+    correct_threshold: float = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if not self.dataset.lower().endswith(DATASET_SUFFIXES):
+            raise ValueError(f"dataset {self.dataset!r} must end in {', '.join(DATASET_SUFFIXES)}")
+        if self.samples and self.k > self.samples:
+            raise ValueError(f"k={self.k} is larger than samples={self.samples}: pass@k needs at least k samples per "
+                             f"prompt; raise eval.samples or lower eval.k")
+        if not self.greedy and not self.samples:
+            raise ValueError("greedy=false and samples=0 leave nothing to evaluate; set one of them")
         return self
 
 
@@ -531,6 +571,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig | None = None  # PPO's value model; required by trainer.algorithm=ppo
     reward_model: RewardModelConfig | None = None  # RLHF: a reward-model group on placement.reward_chips
+    eval: EvalConfig | None = None  # held-out evaluation during training (rltpu.control.evaluation)
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -572,6 +613,9 @@ class RunConfig(_Section):
                 f"trainer.micro_batch_tokens={self.trainer.micro_batch_tokens} is larger than a trainer rank's whole "
                 f"batch ({rows // n_trainers} rows x {per_trainer_tokens * n_trainers // rows} tokens = "
                 f"{per_trainer_tokens}); lower it, or 0 for one pass")
+        if self.eval is not None and self.eval.samples > max(self.sampler.batch_buckets):
+            raise ValueError(f"eval.samples={self.eval.samples} rows per prompt do not fit the largest "
+                             f"sampler.batch_buckets entry {max(self.sampler.batch_buckets)}; lower eval.samples")
         per_sampler = rows // n_samplers
         if per_sampler > max(self.sampler.batch_buckets):
             raise ValueError(

@@ -27,6 +27,9 @@ def run_cli(*args, cwd):
     (["sampler.batch_buckets=[64,8]"], "strictly increasing"),
     (["placement.sampler_chip_ids=[0,1]", "placement.trainer_chip_ids=[1,2]"], "chip 1"),  # overlapping chips
     (["task.reward_fn=nosuchmodule:fn"], "cannot import module 'nosuchmodule'"),
+    # read by the controller before Ray starts (eval.k > eval.samples, task.reward_timeout_s <= 0: schema
+    # errors, tests/test_rewards.py)
+    (["eval.dataset=missing/held.jsonl"], "eval.dataset 'missing/held.jsonl' does not exist"),
     (["trainer"], "not key=value"),
     # k chips per process where the runtime would leave k - 1 idle: refused (issue 16)
     (["placement.mode=colocated", "placement.chips_per_sampler=2", "placement.chips_per_trainer=2",

@@ -210,7 +210,7 @@ def _log_two_steps(tmp_path, key: str) -> None:
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["progress=false", f"loggers.{key}=true"])
     lg = build_loggers(cfg, tmp_path, 2)
     lg.write({"step": 1, "reward_mean": 0.25, "versions": [0]})
-    lg.write({"step": 2, "reward_mean": 0.75, "versions": [1]})
+    lg.write({"step": 2, "reward_mean": 0.75, "versions": [1], "eval/accuracy": 0.5, "eval/pass@k": 0.625})
     lg.close()
 
 
@@ -222,6 +222,7 @@ def test_tensorboard_event_files(tmp_path):
     acc = EventAccumulator(str(events))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/pass@k")] == [(2, 0.625)]  # evaluation figures too
 
 
 def test_mlflow_sqlite_store(tmp_path, monkeypatch):
@@ -240,6 +241,8 @@ def test_mlflow_sqlite_store(tmp_path, monkeypatch):
     assert run.info.run_name == "quickstart" and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "reward_mean")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.75)]
+    # MLflow names may not hold "@": eval/pass@k is logged as eval/pass_at_k
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")] == [(2, 0.625)]
 
 
 def _wandb_history(path) -> list[dict]:
@@ -274,4 +277,6 @@ def test_wandb_offline(tmp_path, monkeypatch):
     _log_two_steps(tmp_path, "wandb")
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     (history,) = run.glob("run-*.wandb")  # what `wandb sync` would upload
-    assert [(r["_step"], r["reward_mean"]) for r in _wandb_history(history)] == [(1, 0.25), (2, 0.75)]
+    rows = _wandb_history(history)
+    assert [(r["_step"], r["reward_mean"]) for r in rows] == [(1, 0.25), (2, 0.75)]
+    assert rows[1]["eval/pass@k"] == 0.625 and rows[1]["eval/accuracy"] == 0.5

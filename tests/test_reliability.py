@@ -221,22 +221,50 @@ def test_status_of_a_finished_run_shows_no_actor_training(tmp_path):
 
 
 # -- the reward function ----------------------------------------------------------------------------
-def test_an_exception_in_the_reward_function_is_one_line_naming_it():
-    from rltpu.config import ConfigError
-    from rltpu.data.rewards import RewardFunctionError, guard_reward_fn
+def test_an_exception_in_the_reward_function_is_counted_and_too_many_stop_in_one_line():
+    """With reward workers a raising call scores ``task.reward_default`` and is counted; past
+    ``task.reward_max_failure_frac`` of a step the job stops with one line naming the function (a
+    health stop, exit 3), never a traceback or a silent run on defaults."""
+    from rltpu.config import TaskConfig
+    from rltpu.control.rewards import RewardFailureError, RewardPool
+    from rltpu.data.rewards import DeadlineRunner
+    from rltpu.observe.health import HealthError
 
     def reward(text, example):
         return float(example["answer"] == text)
 
-    fn = guard_reward_fn(reward, "mymod:reward")
-    assert fn("1", {"answer": "1"}) == 1.0
-    with pytest.raises(RewardFunctionError) as err:
-        fn("12", {"id": 7, "prompt": "x"})
+    runner = DeadlineRunner(reward, 5.0, 2)
+
+    class InProcess:  # RayRewardWorkers' surface, the calls run here
+        def spawn(self, slot, incarnation):
+            return slot
+
+        def call(self, handle, texts, examples):
+            out = runner.run(list(zip(texts, examples)))
+            return {"values": [v for v, _, _ in out], "kinds": [k for _, k, _ in out],
+                    "details": [d for _, _, d in out], "abandoned": 0}
+
+        def wait(self, refs, timeout):
+            return refs
+
+        def get(self, ref):
+            return ref
+
+        def kill(self, handle):
+            pass
+
+    task = TaskConfig(reward_fn="mymod:reward", reward_workers=1, reward_default=0.25, reward_max_failure_frac=0.4)
+    pool = RewardPool(task, InProcess(), log=lambda line: None)
+    pool.start()
+    pool.begin_step(2)
+    got = pool.collect(pool.submit(["1", "12"], [{"id": 3, "answer": "1"}, {"id": 7, "prompt": "x"}]))
+    assert list(got) == [1.0, 0.25] and pool.step_metrics()["reward_errors"] == 1  # 1 of 2 raised
+    with pytest.raises(RewardFailureError) as err:
+        pool.check()
     msg = str(err.value)
-    assert isinstance(err.value, ConfigError) and "\n" not in msg  # ConfigError: the CLI's one line, exit 2
-    assert msg.startswith("task.reward_fn mymod:reward raised KeyError: 'answer' on example id=7"), msg
-    with pytest.raises(RewardFunctionError, match="raised TypeError"):
-        guard_reward_fn(lambda t, e: None, "m:f")("x", {})
+    assert isinstance(err.value, HealthError) and "\n" not in msg
+    assert msg.startswith("task.reward_fn mymod:reward failed on 1 of 2 calls at step 2 (1 raised; first: "
+                          "KeyError: 'answer' on example id=7)"), msg
 
 
 # -- dashboard: loopback unless told, Host header checked ---------------------------------------------

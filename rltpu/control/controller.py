@@ -5,7 +5,8 @@
 One step (``Controller.step``), on-policy:
   1. the next ``prompts_per_step`` prompts are split over the sampler actors, each draws G
      completions per prompt with its compiled JAX program (weights of version v);
-  2. rewards (``task.reward_fn``) and group-relative advantages are computed here;
+  2. rewards: each sampler's rows go to the CPU reward workers as soon as they arrive
+     (``RewardPool``: deadlines, defaults, counters); group-relative advantages are computed here;
   3. the fixed-shape batch is split by rank over the FSDP2 trainer actors, which take one AdamW
      step (version v+1);
   4. the new weights go to every sampler (``WeightSync``);
@@ -17,8 +18,9 @@ in-process.
 
 The controller owns its parts and wires them; each is a plain object with its own module:
 ``Placement`` (chips, placement group, actor handles, ``placement.json``), ``WeightSync``,
-``Checkpoints``, ``PromptDraws`` + ``RolloutQueue`` (what was drawn, what is in flight) and the
-``Supervisor`` (health, fencing, replacement, rewind). Every remote call is a visible method call
+``Checkpoints``, ``PromptDraws`` + ``RolloutQueue`` (what was drawn, what is in flight), the
+``RewardPool`` (rule rewards), the ``Evaluator`` (held-out eval) and the ``Supervisor`` (health,
+fencing, replacement, rewind). Every remote call is a visible method call
 on a named actor handle.
 """
 
@@ -36,15 +38,18 @@ from learner.reward_model import combine_rewards
 from rltpu.chips.topology import Role
 from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
-                                 score, split_by_rank, split_prompts, train_layout)
+                                 split_by_rank, split_prompts, train_layout)
 from rltpu.control.checkpoints import Checkpoints
 from rltpu.control.interrupts import INTERRUPTS
+from rltpu.control.evaluation import Evaluator
 from rltpu.control.placement import Placement
 from rltpu.control.records import StepTimes, step_record
+from rltpu.control.rewards import (RayRewardWorkers, RewardBatch, RewardFailureError, RewardPool,
+                                   decode_completions)
 from rltpu.control.rollouts import PromptDraws, Rollout, RolloutQueue
 from rltpu.control.supervisor import Supervisor
 from rltpu.control.weights import WeightSync
-from rltpu.data.rewards import RewardFunctionError, guard_reward_fn, load_reward_fn
+from rltpu.data.rewards import load_reward_fn
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.observe.health import HealthError, bounded_get
 from rltpu.observe.ledger import Ledger
@@ -65,8 +70,11 @@ class Controller:
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
         self.placement.cfg = cfg
         self.vocab = resolve_vocab(cfg, self.tokenizer)
-        # an exception in the user's function stops the run with one line naming it
-        self.reward_fn = guard_reward_fn(load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs), cfg.task.reward_fn)
+        # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
+        load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
+        self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray
+        # held-out evaluation: its file is read and checked here, before Ray starts
+        self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed) if cfg.eval else None
         self.data = build_dataset(cfg, self.tokenizer)
         if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
             st = self.data.check_lengths(self.tokenizer, cfg.sampler)
@@ -128,6 +136,10 @@ class Controller:
         self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated, d)
         self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir)
         self.supervisor.start()
+        # CPU-only reward workers: their processes start while the chip actors build
+        self.rewards = RewardPool(self.cfg.task, RayRewardWorkers(ray, self.cfg.task), self.run_dir,
+                                  startup_s=d.identity)
+        self.rewards.start()
         n_t = len(g.trainers)
         members = g.trainers if self.colocated else g.trainers + g.samplers
         master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
@@ -212,23 +224,39 @@ class Controller:
         gen, rewards, outs, ds = self._sample_scored(self.cfg.sampler.group_size)
         return self._train_and_sync(gen, rewards, outs, ds, t_step, time.perf_counter() - t0)
 
-    def _generate(self, shards: list, G: int, seed: int, submitted: dict | None = None) -> list[dict]:
+    def _generate(self, shards: list, G: int, seed: int, submitted: dict | None = None, on_shard=None,
+                  greedy_eval: bool | None = None) -> list[dict]:
         """Every sampler's shard (seed + rank); a shard whose sampler failed is redone, with the same
         seed, on its replacement. ``submitted``: rank -> (handle, ref) of calls already issued (async
-        mode); one made on a process since replaced is redone without another recovery."""
+        mode); one made on a process since replaced is redone without another recovery.
+        ``on_shard(rank, out)`` runs as each shard arrives (its rewards start while others sample);
+        ``greedy_eval`` not None: evaluation rows (``generate_eval``), never trained on."""
         samplers = self.placement.groups.samplers
+
+        def call(r):
+            s = samplers[r]
+            if greedy_eval is None:
+                return s, s.generate.remote(shards[r], G, seed + r)
+            return s, s.generate_eval.remote(shards[r], G, seed + r, greedy_eval)
+
         outs: list = [None] * len(shards)
         todo = list(range(len(shards)))
         while todo:
-            calls = submitted or {r: (samplers[r], samplers[r].generate.remote(shards[r], G, seed + r))
-                                  for r in todo}
+            calls = submitted or {r: call(r) for r in todo}
             submitted, errors, stale = None, [], False
-            for r, (handle, ref) in calls.items():
-                try:
-                    outs[r] = self.ray.get(ref)
-                except Exception as err:  # noqa: BLE001
-                    errors.append(err)
-                    stale |= handle is not samplers[r]  # already replaced after an earlier failure
+            waiting = {ref: r for r, (_handle, ref) in calls.items()}
+            while waiting:  # in the order they finish
+                ready, _ = self.ray.wait(list(waiting), num_returns=1)
+                for ref in ready:
+                    r = waiting.pop(ref)
+                    try:
+                        outs[r] = self.ray.get(ref)
+                    except Exception as err:  # noqa: BLE001
+                        errors.append(err)
+                        stale |= calls[r][0] is not samplers[r]  # already replaced after an earlier failure
+                        continue
+                    if on_shard is not None:
+                        on_shard(r, outs[r])
             todo = [r for r in todo if outs[r] is None]
             if errors and not self.supervisor.heal(errors[0]) and not stale:
                 raise errors[0]
@@ -252,10 +280,11 @@ class Controller:
             self._submit_rollout(q.last_step(self.step_idx) + 1)
         t0 = time.perf_counter()
         ro = q.current = q.inflight.popleft()
-        outs = self._generate(ro.shards, self.cfg.sampler.group_size, ro.seed, ro.refs)
         G = self.cfg.sampler.group_size
+        scoring = self._scoring(ro.examples, G)
+        outs = self._generate(ro.shards, G, ro.seed, ro.refs, on_shard=scoring.submit)
         gen = merge_generations(outs, self.tokenizer.pad_id)
-        rewards = self._rewards(gen, ro.examples, G)
+        rewards = self._rewards(gen, scoring)
         lag = self.version - np.asarray(gen["versions"])
         if lag.max() > self.staleness:
             raise RuntimeError(f"rollout for step {ro.step} came from weight version {int(gen['versions'].min())}, "
@@ -300,9 +329,10 @@ class Controller:
             check_prompt_lengths(prompt_ids, examples, cfg.sampler)
             shards = split_prompts(prompt_ids, len(self.placement.groups.samplers))
             seed = cfg.seed * 1_000_003 + self.step_idx * 131 + rounds * 7
-            outs = self._generate(shards, G, seed)  # s.generate(shard, G, seed + rank); a failed one is redone
+            scoring = self._scoring(examples, G)  # each shard's rows go to the reward workers as they arrive
+            outs = self._generate(shards, G, seed, on_shard=scoring.submit)  # a failed shard is redone
             gen = merge_generations(outs, self.tokenizer.pad_id)
-            rewards = self._rewards(gen, examples, G)
+            rewards = self._rewards(gen, scoring)
             outs_all.append(outs)
             sampled.append(rewards)
             rounds, seen = rounds + 1, seen + n
@@ -318,10 +348,20 @@ class Controller:
             "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
             "reward_mean_sampled": float(np.concatenate(sampled).mean())}
 
-    def _rewards(self, gen: dict, examples: list[dict], G: int) -> np.ndarray:
-        """``task.reward_weight x reward_fn`` plus, with a reward-model group, its scores (rows split
-        over the reward actors). Component means go to this step's metrics."""
-        rule, _texts = score(gen, examples, G, self.tokenizer, self.reward_fn)
+    def _scoring(self, examples: list[dict], G: int) -> "_ShardScoring":
+        return _ShardScoring(self.rewards, self.tokenizer, split_prompts(examples, len(self.placement.groups.samplers)),
+                             G)
+
+    def _rewards(self, gen: dict, scoring: "_ShardScoring") -> np.ndarray:
+        """``task.reward_weight x reward_fn`` (from the reward workers; too many failed calls stop the
+        job) plus, with a reward-model group, its scores (rows split over the reward actors).
+        Component means go to this step's metrics."""
+        rule = scoring.collect()
+        try:
+            self.rewards.check()
+        except RewardFailureError as err:
+            self.supervisor.state, self.supervisor.error = "failed", str(err)
+            raise
         rm = None
         rewarders = self.placement.groups.rewarders
         if rewarders:
@@ -416,7 +456,7 @@ class Controller:
         return step_record(self.cfg, step=self.step_idx, version=self.version, emulated=self.emulated, gen=gen,
                            rewards=rewards, outs=outs, n_samplers=len(self.placement.groups.samplers), extra=ds,
                            batch=batch, kl=kl, stats=stats, sync=sync, probe=probe, times=times,
-                           reward_parts=self._reward_parts, sync_generation=self.weights.generation,
+                           reward_parts=self._reward_parts | self.rewards.step_metrics(), sync_generation=self.weights.generation,
                            sampler_weight_versions=self.weights.sampler_versions, data_cursor=self.data.cursor)
 
     def probe_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -476,13 +516,17 @@ class Controller:
             self.phase = "idle"
 
     # -- the loop ------------------------------------------------------------------------------
+    def _target_met(self, records: list[dict]) -> bool:
+        tc = self.cfg.trainer
+        recent = [r["reward_mean"] for r in records[-tc.target_window:]]
+        return tc.target_reward is not None and len(recent) >= tc.target_window and \
+            sum(recent) / len(recent) >= tc.target_reward
+
     def _reached_target(self, records: list[dict]) -> bool:
         """``trainer.target_reward``: the mean reward of the last ``target_window`` steps reached it."""
         tc = self.cfg.trainer
         recent = [r["reward_mean"] for r in records[-tc.target_window:]]
-        if tc.target_reward is None or len(recent) < tc.target_window:
-            return False
-        if sum(recent) / len(recent) >= tc.target_reward:
+        if self._target_met(records):
             print(f"rltpu: trainer.target_reward={tc.target_reward} reached at step {self.step_idx} "
                   f"(last-{tc.target_window} mean {sum(recent) / len(recent):.3f})", file=sys.stderr, flush=True)
             return True
@@ -500,9 +544,11 @@ class Controller:
             self._data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
             data_before = self._data_before
             self.draws.pending = []
+            self.rewards.begin_step(self.step_idx + 1)  # a redone step counts its reward failures afresh
             try:
                 rec = self.step()
                 self.phase = "idle"
+                rec = self._maybe_eval(rec, list(records))
                 records.append(rec)
                 self.steps_run += 1
                 self.writer.write(rec)
@@ -510,7 +556,7 @@ class Controller:
                     self.phase = "checkpoint"
                     self.save_checkpoint()
                     self.phase = "idle"
-            except (HealthError, KeyboardInterrupt, RewardFunctionError):
+            except (HealthError, KeyboardInterrupt):
                 raise
             except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
                 self.phase = "idle"
@@ -520,6 +566,47 @@ class Controller:
             self.supervisor.maybe_write_trace()  # throttled; a failed write is a warning
         self.writer.close()
         return list(records)
+
+    # -- held-out evaluation (eval:) -----------------------------------------------------------------
+    def _maybe_eval(self, rec: dict, records: list[dict]) -> dict:
+        """After a step whose number is a multiple of ``eval.every_steps``, or the last one: the
+        ``eval/*`` metrics join the step's record. A failure is a warning (training goes on); an
+        interrupt keeps the step's record for the stop path."""
+        ev = self.evaluator
+        last = self.step_idx >= self.cfg.trainer.steps or self._target_met(records + [rec])
+        if ev is None or not ev.due(self.step_idx, last):
+            return rec
+        try:
+            self.phase = "eval"
+            return rec | ev.run(self._eval_generate, self._eval_score, self.step_idx)
+        except KeyboardInterrupt:
+            self.interrupted_record = rec
+            raise
+        except HealthError:
+            raise
+        except Exception as err:  # noqa: BLE001 - evaluation must not cost the run
+            print(f"rltpu: warning: evaluation at step {self.step_idx} failed ({type(err).__name__}: "
+                  f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); training goes on",
+                  file=sys.stderr, flush=True)
+            return rec
+        finally:
+            self.phase = "idle"
+
+    def _eval_generate(self, prompt_ids: list[list[int]], n: int, greedy: bool, seed: int) -> dict:
+        """Evaluation prompts over the samplers, at most the largest batch bucket of rows per call."""
+        samplers = self.placement.groups.samplers
+        per_call = max(min(max(self.cfg.sampler.batch_buckets) // n, -(-len(prompt_ids) // len(samplers))), 1)
+        pieces = [prompt_ids[i:i + per_call] for i in range(0, len(prompt_ids), per_call)]
+        outs = []
+        for i in range(0, len(pieces), len(samplers)):
+            outs += self._generate(pieces[i:i + len(samplers)], n, seed + 1009 * i, greedy_eval=greedy)
+        return merge_generations(outs, self.tokenizer.pad_id)
+
+    def _eval_score(self, gen: dict, examples: list[dict]) -> tuple[np.ndarray, int]:
+        """Scored by the reward workers like training rows, but not counted against the step."""
+        batch = self.rewards.submit(decode_completions(gen, self.tokenizer), examples)
+        values = self.rewards.collect(batch, count=False)
+        return values, sum(k != "ok" for k in batch.kinds)
 
     def stop_on_interrupt(self) -> str:
         """The one interrupt path (SIGINT or SIGTERM, any phase, progress display on or off): save a
@@ -566,4 +653,24 @@ class Controller:
 
     def shutdown(self, state: str = "finished") -> None:
         self.supervisor.stop(state)
+        if self.rewards is not None:
+            self.rewards.shutdown()
         self.placement.shutdown()
+
+
+class _ShardScoring:
+    """One sampling round's rule rewards: each sampler shard's rows are submitted to the pool the
+    moment the shard arrives (``submit``, the ``on_shard`` hook); ``collect`` returns them in the
+    merged (rank) order. A shard redone after a sampler failure simply replaces its batch."""
+
+    def __init__(self, pool: RewardPool, tokenizer, example_shards: list[list[dict]], G: int):
+        self.pool, self.tokenizer, self.example_shards, self.G = pool, tokenizer, example_shards, G
+        self.batches: dict[int, RewardBatch] = {}
+
+    def submit(self, rank: int, out: dict) -> None:
+        exs = self.example_shards[rank]
+        texts = decode_completions(out, self.tokenizer)
+        self.batches[rank] = self.pool.submit(texts, [exs[i // self.G] for i in range(len(texts))])
+
+    def collect(self) -> np.ndarray:
+        return np.concatenate([self.pool.collect(self.batches[r]) for r in sorted(self.batches)])

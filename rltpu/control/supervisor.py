@@ -111,7 +111,9 @@ class Supervisor:
                "chips": table.to_rows(),
                "actors": self._rows(reports, fenced, now),
                "restarts": dict(self.restarts), "events": list(self.events),
-               "deadlines": cfg.health.deadlines.model_dump(), "max_restarts": cfg.health.max_restarts}
+               "deadlines": cfg.health.deadlines.model_dump(), "max_restarts": cfg.health.max_restarts,
+               # the CPU reward workers: replacements, running failure totals, the newest step's counters
+               "rewards": ctl.rewards.health() if getattr(ctl, "rewards", None) is not None else None}
         write_health(ctl.run_dir / "health.json", doc)
 
     def _rows(self, reports: dict, fenced: dict, now: float) -> list[dict]:

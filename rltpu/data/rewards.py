@@ -3,6 +3,11 @@
 Pluggable by import path (``task.reward_fn: "my_pkg.rewards:exact"``); the example dict carries the
 prompt and any extra fields (the synthetic tasks' ``answer``, or every extra column of a dataset
 file). ``task.reward_kwargs`` binds keyword arguments (e.g. ``{column: reference}``).
+
+``DeadlineRunner`` is what a reward worker (``actors/reward_worker.py``) runs the function with:
+calls overlap on threads, each under ``task.reward_timeout_s``; a call that raises, returns a
+non-finite number or misses its deadline is reported as such (the driver scores it
+``task.reward_default`` and counts it), never raised.
 """
 
 from __future__ import annotations
@@ -10,6 +15,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
+import queue
+import threading
+import time
 import unicodedata
 from typing import Callable
 
@@ -75,25 +84,87 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
     return functools.partial(fn, **kwargs)
 
 
-class RewardFunctionError(ConfigError):
-    """The user's reward function raised (or returned no number): the run stops with one line that
-    names the function, the exception and the example; the last checkpoint is kept."""
+FAILURE_KINDS = ("error", "timeout", "nonfinite")  # what a failed call scores as task.reward_default
 
 
-def guard_reward_fn(fn: RewardFn, path: str) -> RewardFn:
-    """``fn`` whose exceptions become one ``RewardFunctionError`` line (no traceback, exit 2).
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}{': ' + text[0][:200] if text else ''}"
 
-    Chosen over a default score: a reward that silently turns a bug into zeros trains on noise."""
 
-    def call(text: str, example: dict) -> float:
-        try:
-            return float(fn(text, example))
-        except Exception as err:  # noqa: BLE001 - any exception in user code
-            ex_id = example.get("id") if isinstance(example, dict) else None
-            msg = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-            raise RewardFunctionError(
-                f"task.reward_fn {path} raised {type(err).__name__}{': ' + msg if msg else ''} on example "
-                f"id={ex_id!r} (completion {text[:40]!r}); fix the function or task.reward_kwargs") from None
+class DeadlineRunner:
+    """Calls ``fn(text, example)`` on up to ``concurrency`` threads, each call under its own deadline.
 
-    call.__wrapped__ = fn
-    return call
+    Why threads: a reward that hangs (a verifier, a sandbox) must cost its own deadline, not the
+    deadline of every call queued behind it, so calls overlap; and a call that misses its deadline
+    is abandoned (Python cannot kill a thread): its thread keeps running detached, a fresh thread
+    takes its place, and ``abandoned`` counts the detached ones still alive (the owning process is
+    replaced when they pile up). The function may therefore run on several threads at once;
+    ``concurrency=1`` serialises the calls (a hang then still costs only its deadline).
+
+    ``run(items)`` returns one ``(value, kind, detail)`` per item: kind ``ok``, or one of
+    ``FAILURE_KINDS`` with ``value`` None and a one-line ``detail``.
+    """
+
+    def __init__(self, fn: RewardFn, timeout_s: float, concurrency: int):
+        self.fn, self.timeout_s, self.concurrency = fn, float(timeout_s), int(concurrency)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._running: dict[int, tuple] = {}  # runner id -> (job, index, start)
+        self._detached: set[int] = set()  # runner ids whose call missed its deadline
+        self._live = 0  # runners not detached
+        self._next_id = 0
+
+    @property
+    def abandoned(self) -> int:
+        with self._cond:
+            return len(self._detached)
+
+    def _spawn(self) -> None:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self._live += 1
+        threading.Thread(target=self._loop, args=(rid,), name=f"reward-call-{rid}", daemon=True).start()
+
+    def _loop(self, rid: int) -> None:
+        while True:
+            job, i, item = self._tasks.get()
+            with self._cond:
+                self._running[rid] = (job, i, time.monotonic())
+            try:
+                value, kind, detail = float(self.fn(*item)), "ok", ""
+                if not math.isfinite(value):
+                    value, kind, detail = None, "nonfinite", f"returned {value}"
+            except Exception as err:  # noqa: BLE001 - any exception in user code is the call's outcome
+                value, kind, detail = None, "error", _one_line(err)
+            with self._cond:
+                self._running.pop(rid, None)
+                if rid in self._detached:  # too late: the caller already scored it as a timeout
+                    self._detached.discard(rid)
+                    return
+                job[i] = (value, kind, detail)
+                self._cond.notify_all()
+
+    def run(self, items: list[tuple[str, dict]]) -> list[tuple[float | None, str, str]]:
+        job: list = [None] * len(items)
+        with self._cond:
+            while self._live < self.concurrency:
+                self._spawn()
+        for i, item in enumerate(items):
+            self._tasks.put((job, i, item))
+        with self._cond:
+            while any(r is None for r in job):
+                now = time.monotonic()
+                wake = now + 0.25
+                for rid, (owner, i, start) in list(self._running.items()):
+                    if owner is not job:
+                        continue
+                    if now - start >= self.timeout_s:
+                        job[i] = (None, "timeout", f"no result within task.reward_timeout_s={self.timeout_s:g}")
+                        del self._running[rid]
+                        self._detached.add(rid)
+                        self._live -= 1
+                        self._spawn()  # the queue behind it keeps moving
+                    else:
+                        wake = min(wake, start + self.timeout_s)
+                self._cond.wait(max(wake - now, 0.001))
+        return job

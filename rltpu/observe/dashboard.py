@@ -100,6 +100,34 @@ def phase_chart(metrics: list[dict], w: int = 480, h: int = 160) -> str:
             f'<text x="10" y="14" font-size="11">{legend} (max {top:.2f}s)</text></svg>')
 
 
+EVAL_KEYS = ("eval/accuracy", "eval/pass@k", "eval/mean@k")
+
+
+def rewards_panel(health: dict, metrics: list[dict]) -> str:
+    """The reward workers: failed calls per step (errors, timeouts) and the pool's totals."""
+    rw = health.get("rewards") or {}
+    rows = "".join(f"<tr><td>{m.get('step')}</td><td>{m.get('reward_errors', '-')}</td>"
+                   f"<td>{m.get('reward_timeouts', '-')}</td><td>{m.get('reward_calls', '-')}</td></tr>"
+                   for m in metrics[-8:])
+    head = (f"<p id=\"reward-pool\">{rw.get('workers', '-')} workers for {html.escape(str(rw.get('fn', '-')))}, "
+            f"deadline {rw.get('timeout_s', '-')}s, {rw.get('replaced', 0)} replaced; run totals: "
+            f"{rw.get('reward_errors', 0)} errors, {rw.get('reward_timeouts', 0)} timeouts</p>") if rw else ""
+    return (f'{head}<table id="reward-failures"><tr><th>step</th><th>errors</th><th>timeouts</th><th>calls</th>'
+            f'</tr>{rows}</table>')
+
+
+def eval_panel(metrics: list[dict]) -> str:
+    """Held-out evaluation: the newest figures and a line per metric over the steps that ran it."""
+    evals = [m for m in metrics if any(k in m for k in EVAL_KEYS)]
+    if not evals:
+        return '<p id="eval">no evaluation yet</p>'
+    last = evals[-1]
+    cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{last[k]:.4f}</td></tr>" for k in EVAL_KEYS if k in last)
+    charts = "".join(line_chart([m[k] for m in evals if k in m], "eval-" + k.split("/")[1].replace("@", "-at-"))
+                     for k in EVAL_KEYS if k in last)
+    return f'<table id="eval"><tr><th>step {last.get("step")}</th><th></th></tr>{cells}</table>{charts}'
+
+
 def page(run_dir: Path) -> str:
     health, metrics = _read(run_dir)
     healthy, problems = assess(health) if health else (False, ["no health.json yet"])
@@ -129,6 +157,8 @@ weight version {health.get('weight_version')}, {html.escape(status)}</p>
 <section><h2>Actors</h2><table id="actors"><tr>{head}</tr>{''.join(rows)}</table></section><br>
 <section><h2>Reward</h2>{line_chart([m.get('reward_mean') or 0.0 for m in metrics], 'reward-chart')}</section>
 <section><h2>Phase seconds</h2>{phase_chart(metrics)}</section>
+<section><h2>Reward workers</h2>{rewards_panel(health, metrics)}</section>
+<section><h2>Evaluation</h2>{eval_panel(metrics)}</section>
 <section><h2>Restart events</h2><ul id="events">{events}</ul></section>
 <p><a href="/metrics">/metrics</a> <a href="/health.json">/health.json</a> <a href="/trace.json">/trace.json</a>
 (open in ui.perfetto.dev)</p></body></html>"""
@@ -147,9 +177,14 @@ def prometheus(run_dir: Path) -> str:
            "# TYPE rltpu_weight_version gauge", f"rltpu_weight_version {health.get('weight_version') or 0}"]
     last = metrics[-1] if metrics else {}
     for key in ("reward_mean", "loss", "kl", "step_s", "sample_s", "train_s", "sync_s", "new_tokens_per_s",
-                "compiles"):
+                "compiles", "reward_errors", "reward_timeouts"):
         if isinstance(last.get(key), (int, float)):
             out += [f"# TYPE rltpu_{key} gauge", f"rltpu_{key} {last[key]}"]
+    evals = [m for m in metrics if any(k in m for k in EVAL_KEYS)]
+    for key in EVAL_KEYS:  # the newest evaluation
+        if evals and isinstance(evals[-1].get(key), (int, float)):
+            name = "rltpu_" + key.replace("/", "_").replace("@", "_at_")
+            out += [f"# TYPE {name} gauge", f"{name} {evals[-1][key]}"]
     series = {"rltpu_actor_healthy": ("gauge", lambda a: int(a["state"] in ("ok", "restarted"))),
               "rltpu_actor_restarts_total": ("counter", lambda a: a["restarts"]),
               "rltpu_actor_heartbeat_age_seconds": ("gauge", lambda a: round(now - a["heartbeat"], 3)

@@ -314,6 +314,14 @@ def format_status(doc: dict, now: float | None = None) -> str:
              + (f"; {doc['mode']}" if doc.get("mode") else "")
              + (f", staleness <= {doc['staleness']}" if doc.get("staleness") else ""),
              fmt.format(*head), *(fmt.format(*r) for r in rows)]
+    rw = doc.get("rewards")
+    if rw:
+        last = rw.get("last_step") or {}
+        lines.append(f"rewards: {rw['workers']} CPU workers for {rw['fn']} (deadline {rw['timeout_s']:g}s), "
+                     f"{rw['replaced']} replaced; "
+                     + (f"step {last['step']}: {last['reward_errors']} errors, {last['reward_timeouts']} timeouts "
+                        f"of {last['reward_calls']} calls; " if last else "")
+                     + f"run: {rw['reward_errors']} errors, {rw['reward_timeouts']} timeouts of {rw['reward_calls']}")
     for ev in doc.get("events", [])[-10:]:
         lines.append(f"event: {time.strftime('%H:%M:%S', time.localtime(ev['time']))} {ev['actor']} {ev['what']}: "
                      f"{ev['why']}")

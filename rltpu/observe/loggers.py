@@ -4,7 +4,9 @@
 Weights & Biases (offline mode, files only) and MLflow (a SQLite store, ``run_dir/mlflow.db``) are added when
 ``loggers.*`` asks for them; each library is an optional extra (``pip install -e '.[loggers]'``)
 imported only then, and a configured but missing one is a one-line error naming the fix.
-Every numeric field of a record is logged at ``step``; lists and strings stay in the JSONL.
+Every numeric field of a record is logged at ``step``; lists and strings stay in the JSONL. Evaluation
+figures are ``eval/...`` keys (``eval/accuracy``, ``eval/pass@k``, ``eval/mean@k``): TensorBoard and
+W&B group them under ``eval``; MLflow, whose names may not hold ``@``, gets ``eval/pass_at_k``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def mlflow_tracking_uri(run_dir: Path) -> str:
     return f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
 
 
+def mlflow_key(key: str) -> str:
+    """MLflow allows alphanumerics, ``_ - . / :`` and spaces in metric names."""
+    return key.replace("@", "_at_")
+
+
 class MLflowLogger:
     def __init__(self, run_dir: Path, name: str):
         import mlflow
@@ -76,7 +83,7 @@ class MLflowLogger:
 
     def write(self, record: dict) -> None:
         for k, v in scalars(record).items():
-            self.client.log_metric(self.run_id, k, v, step=record["step"])
+            self.client.log_metric(self.run_id, mlflow_key(k), v, step=record["step"])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
