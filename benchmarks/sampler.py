@@ -30,6 +30,13 @@ heads, vocab 8192, tied embeddings: 21,600,768 parameters):
   * achieved FLOP/s (model FLOPs of the useful work / warm time) against a measured fp32 GEMM
     peak of this machine (torch and jax.numpy, 2048^3, best of a few reps).
 
+--longtail [--prompts 256] [--chunks 4,8,16,32]: the continuous engine against the static one on
+a long-tail rollout workload (issue 17), both models, in the same run (see ``longtail``):
+256 prompts x G = 8 samples, prompts of 32-128 tokens, max_new_tokens 512, stop tokens. A random
+model's next-token distribution is near uniform, so a stop set of V/64 ids (16 of 1,024 on the
+quickstart-size model, whose vocabulary is raised from 17 for this; 128 of 8,192 on the 20M one)
+ends a row with probability ~1/64 per token: geometric lengths, mean ~64, capped at 512.
+
 Other processes on the machine disturb CPU timings; every timed call records the CPU other
 processes used meanwhile, and a disturbed warm call is repeated (counts in the JSON).
 Where the decode time goes: benchmarks/sampler_profile.py (ablations of the compiled program).
@@ -250,7 +257,9 @@ class Rltpu:
         from rltpu.sampling.engine import SamplerEngine
 
         t0 = time.perf_counter()
-        scfg = SamplerConfig(group_size=2, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS,
+        # the static engine: this comparison runs fixed-length rows (no stop), its bucket grid and
+        # compile_bucket; the continuous engine is measured by --longtail
+        scfg = SamplerConfig(group_size=2, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, engine="static",
                              batch_buckets=tuple(batch_buckets), prompt_buckets=tuple(prompt_buckets))
         shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
         # eos_id = vocab: outside the vocabulary, never sampled -> every row runs all 64 steps
@@ -518,12 +527,205 @@ def perturbation(rt: Rltpu, hf: HF, cfg, vocab, mp, n_req: int, batch_buckets, m
     return res
 
 
+# ---------------------------------------------------------------------------------------------
+# long-tail rollouts: the continuous engine vs the static engine (issue 17)
+
+LT_G, LT_NEW, LT_SLOTS = 8, 512, 64
+LT_PROMPT_BUCKETS = (32, 64, 128)
+
+
+def longtail_specs() -> list[dict]:
+    """Both models with a vocabulary of 64 x the stop set: P(stop) ~ 1/64 per token."""
+    qs = load_config(REPO / "configs" / "quickstart.yaml").model
+    base = {**qs.model_dump(), "max_position_embeddings": 1024}
+    quick = ModelConfig(**{**base, "vocab_size": 1024})
+    m20 = ModelConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, vocab_size=8192)
+    return [{"name": "quickstart", "cfg": quick, "vocab": 1024, "stops": 16},
+            {"name": "llama20m", "cfg": m20, "vocab": 8192, "stops": 128}]
+
+
+def _length_stats(lengths) -> dict:
+    L = np.asarray(lengths)
+    hist = {f"{lo}-{hi}": int(((L >= lo) & (L <= hi)).sum())
+            for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256), (257, 511), (512, 512))}
+    return {"rows": int(L.size), "mean": r(L.mean(), 2), "median": r(np.median(L), 1),
+            "p90": r(np.percentile(L, 90), 1), "p99": r(np.percentile(L, 99), 1), "max": int(L.max()),
+            "at_cap_512": int((L == LT_NEW).sum()), "max_over_mean": r(L.max() / L.mean(), 2), "histogram": hist}
+
+
+def _engine_summary(outs: list[dict], wall: float) -> dict:
+    useful = sum(int(o["new_tokens"]) for o in outs)
+    slot_steps = sum(int(o["slot_steps"]) for o in outs)
+    return {"calls": len(outs), "wall_s": r(wall, 2), "useful_tokens": useful, "tokens_per_s": r(useful / wall, 1),
+            "decode_steps": sum(int(o["decode_steps"]) for o in outs), "slot_steps": slot_steps,
+            "slot_steps_per_useful_token": r(slot_steps / useful, 3), "occupancy": r(useful / slot_steps, 4),
+            "prefill_tokens": sum(int(o["prefill_tokens"]) for o in outs),
+            "prefill_gflop": r(sum(float(o["prefill_flops"]) for o in outs) / 1e9, 3),
+            "compiles_during_run": sum(int(o["compiles"]) for o in outs)}
+
+
+def longtail_model(spec: dict, n_prompts: int, chunk: int, sweep: tuple[int, ...], static_prompts: int = 0) -> dict:
+    """One model: precompile both engines, then static (first half of its calls), continuous (one
+    call for all prompts), static (second half): interleaved so a load change hits both.
+    ``static_prompts``: run the static engine on only that many prompts (its first and last calls;
+    its tokens/s is the rate over those calls) when its full run would not fit the time."""
+    from rltpu.models import jax_llama
+    from rltpu.models.torch_llama import init_state_dict
+    from rltpu.sampling.engine import SamplerEngine
+
+    cfg, V, name = spec["cfg"], spec["vocab"], spec["name"]
+    log(f"== long tail: {name}")
+    sd = init_state_dict(cfg, V, seed=0)
+    shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()}
+    stops = tuple(range(V - spec["stops"], V))  # the top ids; prompts never contain them
+    rng = np.random.default_rng(17)
+    prompts = [rng.integers(3, V - spec["stops"], int(rng.integers(32, 129))).tolist() for _ in range(n_prompts)]
+    per_static = LT_SLOTS // LT_G  # prompts per static call: 64 rows, the continuous grid's slot count
+
+    def engine(c: int):
+        scfg = SamplerConfig(group_size=LT_G, temperature=1.0, max_new_tokens=LT_NEW, batch_buckets=(LT_SLOTS,),
+                             prompt_buckets=LT_PROMPT_BUCKETS, stop_token_ids=stops[1:], slots=LT_SLOTS,
+                             decode_chunk=c)
+        eng = SamplerEngine(cfg, scfg, V, PAD_ID, stops[0], shapes)
+        eng.set_params(jax_llama.params_from_torch(sd), 0)
+        return eng
+
+    eng = engine(chunk)
+    t0 = time.perf_counter()
+    eng.precompile(engine="continuous")
+    cont_compile = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.precompile(cells=[(LT_SLOTS, p, LT_NEW) for p in LT_PROMPT_BUCKETS], engine="static")
+    static_compile = time.perf_counter() - t0
+    programs = eng.stats.compiles
+    log(f"{name}: precompiled {programs} programs (continuous {cont_compile:.1f}s, static {static_compile:.1f}s)")
+
+    static_outs, static_wall = [], 0.0
+    calls = list(range(0, n_prompts, per_static))
+    if static_prompts and static_prompts < n_prompts:  # a subset of the calls: the first and last ones
+        keep = max(1, static_prompts // per_static)
+        calls = calls[:(keep + 1) // 2] + calls[len(calls) - keep // 2:]
+    half = (len(calls) + 1) // 2
+    load = {"start": list(os.getloadavg())}
+    for i in calls[:half]:
+        with Monitor() as m:
+            static_outs.append(eng.generate(prompts[i:i + per_static], LT_G, seed=100 + i, engine="static"))
+        static_wall += m.wall
+    log(f"{name}: static first half {static_wall:.1f}s")
+    with Monitor() as m:
+        cont = eng.generate(prompts, LT_G, seed=100, engine="continuous")
+    cont_wall = m.wall
+    load["after_continuous"] = list(os.getloadavg())
+    log(f"{name}: continuous {cont_wall:.1f}s ({cont['new_tokens'] / cont_wall:.0f} tok/s, occupancy "
+        f"{cont['occupancy']:.3f}, {cont['preemptions']} preemptions)")
+    for i in calls[half:]:
+        with Monitor() as m:
+            static_outs.append(eng.generate(prompts[i:i + per_static], LT_G, seed=100 + i, engine="static"))
+        static_wall += m.wall
+    load["end"] = list(os.getloadavg())
+    assert eng.stats.compiles == programs, "a program was compiled after precompile"
+    st = _engine_summary(static_outs, static_wall)
+    ct = _engine_summary([cont], cont_wall)
+    ct |= {"chunks": cont["chunks"], "decode_chunk": chunk, "slots": LT_SLOTS, "preemptions": cont["preemptions"],
+           "prompt_evictions": cont["prompt_evictions"], "program_s": r(cont["program_seconds"], 2),
+           "host_s": r(cont["host_seconds"], 2)}
+    live = cont["kv_live_tokens_mean"]
+    kv = {"page_tokens": cont["kv_page_size"], "pool_pages": cont["kv_pages"],
+          "pool_bytes": cont["kv_pool_bytes"], "dense_bytes_same_slots": cont["kv_dense_bytes"],
+          "pool_over_dense": r(cont["kv_pool_bytes"] / cont["kv_dense_bytes"], 4),
+          "peak_used_bytes": cont["kv_peak_used_bytes"],
+          "peak_used_over_dense": r(cont["kv_peak_used_bytes"] / cont["kv_dense_bytes"], 4),
+          "live_tokens_mean": r(live, 1),
+          "pool_bytes_per_live_token": r(cont["kv_pool_bytes_per_live_token"], 1),
+          "used_bytes_per_live_token": r(cont["kv_used_bytes_per_live_token"], 1),
+          "dense_bytes_per_live_token": r(cont["kv_dense_bytes"] / live, 1)}
+    res = {"model": {"params": param_counts(cfg, sd)["total"], "vocab": V, "stop_ids": len(stops),
+                     "config": {k: v for k, v in cfg.model_dump().items() if k not in ("init_std",)}},
+           "workload": {"prompts": n_prompts, "G": LT_G, "rows": n_prompts * LT_G, "prompt_len_range": [32, 128],
+                        "static_prompts_measured": len(calls) * per_static,
+                        "max_new_tokens": LT_NEW, "static_rows_per_call": per_static * LT_G,
+                        "prompt_buckets": list(LT_PROMPT_BUCKETS)},
+           "lengths": {"continuous": _length_stats(cont["lengths"]),
+                       "static": _length_stats(np.concatenate([o["lengths"] for o in static_outs]))},
+           "precompile": {"programs": programs, "continuous_s": r(cont_compile, 2), "static_s": r(static_compile, 2),
+                          "log": [list(x) for x in eng.stats.compile_log]},
+           "static": st, "continuous": ct, "kv": kv, "loadavg": load,
+           "speedup_useful_tokens_per_s": r(ct["tokens_per_s"] / st["tokens_per_s"], 3),
+           "prefill_flops_drop": r(1 - ct["prefill_gflop"] / st["prefill_gflop"], 4)}
+    log(f"{name}: static {st['tokens_per_s']} tok/s (occupancy {st['occupancy']}) | continuous {ct['tokens_per_s']} "
+        f"tok/s (occupancy {ct['occupancy']}) | speedup {res['speedup_useful_tokens_per_s']}x | KV pool "
+        f"{kv['pool_over_dense']:.0%} of dense, peak used {kv['peak_used_over_dense']:.0%}")
+    if sweep:  # decode_chunk: occupancy and tokens/s on the first quarter of the prompts, one call each
+        res["chunk_sweep"] = []
+        sub = prompts[:max(per_static, n_prompts // 4)]
+        for c in sweep:
+            e = engine(c)
+            e.precompile(engine="continuous")
+            with Monitor() as m:
+                o = e.generate(sub, LT_G, seed=100, engine="continuous")
+            res["chunk_sweep"].append({"decode_chunk": c, "prompts": len(sub), "wall_s": r(m.wall, 2),
+                                       "tokens_per_s": r(o["new_tokens"] / m.wall, 1), "chunks": o["chunks"],
+                                       "occupancy": r(o["occupancy"], 4), "host_s": r(o["host_seconds"], 2)})
+            log(f"{name}: decode_chunk {c}: {o['new_tokens'] / m.wall:.0f} tok/s, occupancy {o['occupancy']:.3f}")
+    return res
+
+
+def longtail_main(args) -> int:
+    t_start = time.perf_counter()
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = backend.configure_threads(len(cpus), cpus)
+    precision = backend.configure_precision("highest")
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", None)
+    env = {"python": platform.python_version(), "jax": jax.__version__,
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **threads, **precision, "loadavg_start": list(os.getloadavg())}
+    wanted = set(args.models.split(","))
+    sweep = tuple(int(c) for c in args.chunks.split(",")) if args.chunks else ()
+    models = {}
+    for spec in longtail_specs():
+        if spec["name"] in wanted:
+            models[spec["name"]] = longtail_model(spec, args.prompts, args.chunk,
+                                                  sweep if spec["name"] == "quickstart" else (),
+                                                  args.static_prompts_20m if spec["name"] == "llama20m" else 0)
+    env["loadavg_end"] = list(os.getloadavg())
+    doc = {
+        "benchmark": "rltpu sampler: continuous batching (paged KV, shared prefill) vs the static engine, long tail",
+        "command": " ".join([".venv/bin/python", "benchmarks/sampler.py", *(args.argv or sys.argv[1:])]),
+        "env": env,
+        "how": "same process, same weights and prompts; static calls of 8 prompts x 8 (64 rows) before and after "
+               "one continuous call of all prompts on 64 slots; wall clock per generate call; temperature 1",
+        "acceptance": {n: {"speedup": m["speedup_useful_tokens_per_s"], "occupancy": m["continuous"]["occupancy"],
+                           "compiles_after_precompile": m["continuous"]["compiles_during_run"]
+                           + m["static"]["compiles_during_run"], "kv_pool_over_dense": m["kv"]["pool_over_dense"],
+                           "prefill_flops_drop": m["prefill_flops_drop"]} for n, m in models.items()},
+        "models": models,
+        "elapsed_s": r(time.perf_counter() - t_start, 1),
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no batch 64 on the 20M model, 20 requests")
     ap.add_argument("--out", help="also write the JSON document to this file")
     ap.add_argument("--models", default="quickstart,llama20m", help="comma-separated subset to run")
+    ap.add_argument("--longtail", action="store_true", help="the long-tail workload: continuous vs static engine")
+    ap.add_argument("--prompts", type=int, default=256, help="--longtail: prompts (x G=8 rows)")
+    ap.add_argument("--chunk", type=int, default=8, help="--longtail: decode_chunk of the main comparison")
+    ap.add_argument("--chunks", default="4,8,16,32", help="--longtail: decode_chunk sweep on the quickstart model")
+    ap.add_argument("--static-prompts-20m", type=int, default=64,
+                    help="--longtail: prompts the static engine runs on the 20M model (0 = all; it is the slow side)")
     args = ap.parse_args(argv)
+    args.argv = argv
+    if args.longtail:
+        return longtail_main(args)
     args.rltpu_reps, args.hf_reps = (3, 2) if args.quick else (5, 3)
     args.requests, args.requests_20m = (20, 0) if args.quick else (100, 16)
 

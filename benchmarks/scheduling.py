@@ -39,8 +39,8 @@ def skewed_weights(mcfg: ModelConfig, eos_boost: float) -> dict:
 
 
 def run(mcfg, rows: int, max_new: int, micro: int, sd, reps: int) -> dict:
-    cfg = SamplerConfig(group_size=8, max_new_tokens=max_new, batch_buckets=tuple(sorted({micro or rows, rows})),
-                        prompt_buckets=(8,), microbatch_rows=micro)
+    cfg = SamplerConfig(engine="static", group_size=8, max_new_tokens=max_new,
+                        batch_buckets=tuple(sorted({micro or rows, rows})), prompt_buckets=(8,), microbatch_rows=micro)
     spec = param_spec(mcfg, V)
     eng = SamplerEngine(mcfg, cfg, V, PAD, EOS, {n: (s, d) for n, s, d in spec})
     eng.precompile()

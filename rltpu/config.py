@@ -336,7 +336,7 @@ class SamplerConfig(_Section):
     # "continuous" (rltpu/sampling/continuous.py): one prefill per prompt shared by its G samples, a
     # fixed grid of decode slots refilled between chunks, a paged KV cache; "static": one compiled
     # program per (rows, prompt, new tokens) cell that decodes until its longest row stops
-    engine: Literal["continuous", "static"] = "static"
+    engine: Literal["continuous", "static"] = "continuous"
     slots: int = Field(0, ge=0)  # continuous: decode slots (0 = max(batch_buckets))
     decode_chunk: int = Field(8, ge=1)  # continuous: decode steps per compiled call (host admits between)
     kv_page_size: int = Field(16, ge=1)  # continuous: tokens per KV page (capped at max new tokens)

@@ -46,7 +46,7 @@ NEW = 64
 
 
 def run(cfg: ModelConfig, k: int) -> dict:
-    scfg = SamplerConfig(temperature=0, max_new_tokens=NEW, batch_buckets=(4,), prompt_buckets=(16,),
+    scfg = SamplerConfig(engine="static", temperature=0, max_new_tokens=NEW, batch_buckets=(4,), prompt_buckets=(16,),
                          precompile=False, compile_cache=False)
     shapes = {n: (s, cfg.dtype) for n, s in param_shapes(cfg).items()}
     # EOS id never sampled: all 64 tokens of every row are compared

@@ -29,7 +29,8 @@ G, T = 2, 6
 SEED, TEMPERATURE = 0, 1.0
 MCFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=64, init_std=0.2)
-SCFG = SamplerConfig(group_size=G, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(8,), precompile=False)
+SCFG = SamplerConfig(engine="static", group_size=G, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(8,),
+                     precompile=False)
 TCFG = TrainerConfig(lr=1e-2, prompts_per_step=2, grad_clip=1.0)
 PROMPTS = [[2, 3, 4, 5], [6, 7, 8]]
 SPEC = param_spec(MCFG, V)

@@ -25,7 +25,7 @@ T = 6  # max_new_tokens
 # init_std 0.2 (not 0.02): logits spread well beyond fp32 noise, so argmax / nucleus are well posed
 MCFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=64, init_std=0.2)
-GRID = SamplerConfig(group_size=2, max_new_tokens=T, batch_buckets=(2, 4), prompt_buckets=(4, 8))
+GRID = SamplerConfig(engine="static", group_size=2, max_new_tokens=T, batch_buckets=(2, 4), prompt_buckets=(4, 8))
 SEED = 0
 
 
@@ -181,7 +181,8 @@ def _torch_greedy(model, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("knobs", [{"temperature": 1e-4}, {"temperature": 0.0}, {"temperature": 1.0, "top_k": 1}])
 def test_greedy_settings_are_torch_argmax_decoding(knobs):
     """Temperature 0 is greedy by definition; a tiny temperature and top-k=1 must agree with it."""
-    cfg = SamplerConfig(group_size=2, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(4,), **knobs)
+    cfg = SamplerConfig(engine="static", group_size=2, max_new_tokens=T, batch_buckets=(4,), prompt_buckets=(4,),
+                        **knobs)
     eng = _engine(cfg)
     sd = _state()
     eng.set_params(jax_llama.params_from_torch(sd), 0)
@@ -285,7 +286,7 @@ def test_errors_name_the_bucket_and_require_weights(grid):
 
 def test_top_p_samples_only_inside_the_nucleus():
     temperature, top_p = 0.7, 0.5
-    cfg = SamplerConfig(group_size=2, temperature=temperature, top_p=top_p, max_new_tokens=T,
+    cfg = SamplerConfig(engine="static", group_size=2, temperature=temperature, top_p=top_p, max_new_tokens=T,
                         batch_buckets=(4,), prompt_buckets=(4,))
     eng = _engine(cfg)
     sd = _state()

@@ -45,8 +45,8 @@ def _draw_first_tokens(cfg: SamplerConfig, prompt: list[int], draws: int) -> np.
 @pytest.mark.parametrize("top_p, top_k", [(0.7, 0), (1.0, 4)])
 def test_truncated_sampling_matches_the_truncated_softmax(top_p, top_k):
     temperature, prompt, draws = 0.8, [3, 9, 4], 4096
-    cfg = SamplerConfig(group_size=2, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=1,
-                        batch_buckets=(256,), prompt_buckets=(4,))
+    cfg = SamplerConfig(engine="static", group_size=2, temperature=temperature, top_p=top_p, top_k=top_k,
+                        max_new_tokens=1, batch_buckets=(256,), prompt_buckets=(4,))
     tokens = _draw_first_tokens(cfg, prompt, draws)
     p = _next_token_probs(prompt, temperature)
     order = np.argsort(-p)
@@ -70,7 +70,7 @@ def test_truncated_sampling_matches_the_truncated_softmax(top_p, top_k):
 
 def test_extra_stop_tokens_end_rows():
     # every non-pad token stops: each real row ends after exactly one token
-    cfg = SamplerConfig(group_size=2, max_new_tokens=5, batch_buckets=(4,), prompt_buckets=(4,),
+    cfg = SamplerConfig(engine="static", group_size=2, max_new_tokens=5, batch_buckets=(4,), prompt_buckets=(4,),
                         stop_token_ids=tuple(range(1, V)))
     eng = _engine(cfg)
     eng.set_params(jax_llama.params_from_torch(_state()), 0)
@@ -80,7 +80,7 @@ def test_extra_stop_tokens_end_rows():
 
 
 def test_new_token_axis_of_the_grid_and_truncation():
-    cfg = SamplerConfig(group_size=2, max_new_tokens=4, new_token_buckets=(4, 8), batch_buckets=(4,),
+    cfg = SamplerConfig(engine="static", group_size=2, max_new_tokens=4, new_token_buckets=(4, 8), batch_buckets=(4,),
                         prompt_buckets=(4,), truncate_prompts=True)
     eng = _engine(cfg)
     eng.set_params(jax_llama.params_from_torch(_state()), 0)
@@ -136,8 +136,8 @@ def test_persistent_compile_cache_serves_a_restarted_process(tmp_path):
 
 
 def test_microbatches_split_a_request_and_keep_the_row_order():
-    cfg = SamplerConfig(group_size=2, max_new_tokens=5, batch_buckets=(2, 4), prompt_buckets=(4,), microbatch_rows=2,
-                        stop_token_ids=(5,))
+    cfg = SamplerConfig(engine="static", group_size=2, max_new_tokens=5, batch_buckets=(2, 4), prompt_buckets=(4,),
+                        microbatch_rows=2, stop_token_ids=(5,))
     eng = _engine(cfg)
     eng.precompile()
     eng.set_params(jax_llama.params_from_torch(_state()), 0)

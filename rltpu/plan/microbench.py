@@ -186,7 +186,7 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict
 
     mcfg = ModelConfig(**probe_dims(width))
     G = 8
-    scfg = SamplerConfig(group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=SAMPLE_FIT_ROWS,
+    scfg = SamplerConfig(engine="static", group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=SAMPLE_FIT_ROWS,
                          prompt_buckets=(PROBE_PROMPT,), compile_cache=False)
     shapes = {k: (v, "float32") for k, v in param_shapes(mcfg, PROBE_VOCAB).items()}
     eng = SamplerEngine(mcfg, scfg, PROBE_VOCAB, 0, 2, shapes)

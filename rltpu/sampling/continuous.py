@@ -67,7 +67,8 @@ class ContinuousSampler:
                                           math.ceil(self.S / G)}))
         first = math.ceil(min(self.C, self.T) / self.ps)  # pages a slot needs for its first chunk
         auto = max(math.ceil(AUTO_POOL_FRACTION * self.dense_tokens / self.ps),
-                   self.S * first + math.ceil(self.S / G) * self.MP)  # a full grid admits at once
+                   self.S * first + math.ceil(self.S / G) * self.MP,  # a full grid admits at once
+                   self.MP + self.MG)
         self.n_pages = (cfg.kv_pages or auto) + 1  # + the null page
         if self.n_pages - 1 < self.MP + self.MG:
             raise ValueError(f"sampler.kv_pages={cfg.kv_pages} cannot hold one row ({self.MP} prompt + {self.MG} "
@@ -122,9 +123,10 @@ class ContinuousSampler:
                 for k, v in self._state_structs().items()}
 
     def _init_state(self) -> dict:
-        st = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._state_structs())
+        """Zeroed state, built on the host and put (no XLA program runs, so nothing compiles)."""
+        st = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), self._state_structs())
         sh = self._state_shardings()
-        return st if sh is None else jax.device_put(st, sh)
+        return jax.device_put(st) if sh is None else jax.device_put(st, sh)
 
     # -- the model over pages --------------------------------------------------------------------
     def _layer_masks(self, allowed, qpos, kpos):
@@ -303,6 +305,9 @@ class ContinuousSampler:
     def precompile(self) -> None:
         for cell in self.cells():
             self.ensure(cell)
+        if self._state is None:
+            self._state = self._init_state()
+        jax.random.PRNGKey(0)  # the host-side key program every call runs (jit-cached from here on)
 
     # -- the host loop -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], G: int, seed: int, max_new_tokens: int | None = None) -> dict:
@@ -320,7 +325,7 @@ class ContinuousSampler:
         R = len(prompts) * G
         lens = [len(p) for p in prompts]
         plen_out = pick_bucket(max(lens), cfg.prompt_buckets, "prompt length")
-        key = jax.random.PRNGKey(seed)
+        key = np.asarray(jax.random.PRNGKey(seed))  # its program was built by precompile
         if self._state is None:
             self._state = self._init_state()
         state, self._state = self._state, None  # donated to each program; restored at the end
@@ -340,7 +345,7 @@ class ContinuousSampler:
         slot_order = np.zeros(S, np.int64)
         admitted = 0
         c = dict(prefill_tokens=0, prefill_flops=0.0, prefill_slots=0, prefill_calls=0, chunks=0,
-                 preemptions=0, live_token_sum=0, used_page_sum=0, peak_pages=0, samples=0)
+                 preemptions=0, prompt_evictions=0, live_token_sum=0, used_page_sum=0, peak_pages=0, samples=0)
         steps0, busy0 = (int(x) for x in jax.device_get((state["steps"], state["busy"])))
         n_mm = matmul_params(e.param_structs, self.mcfg.tie_word_embeddings)
         program_s = 0.0
@@ -358,6 +363,13 @@ class ContinuousSampler:
                 r = queue[0]
                 p = r // G
                 need = first + (0 if p in prompt_pages else math.ceil(lens[p] / ps))
+                if need > len(free_pages):  # drop the pages of prompts no slot reads (re-prefilled later)
+                    reading = {int(x) // G for x in slot_row[slot_row >= 0]} | {p}
+                    for q in [q for q in prompt_pages if q not in reading]:
+                        free_pages.extend(prompt_pages.pop(q))
+                        free_handles.append(prompt_handle.pop(q))
+                        c["prompt_evictions"] += 1
+                    need = first + (0 if p in prompt_pages else math.ceil(lens[p] / ps))
                 if need > len(free_pages) or (p not in prompt_pages and not free_handles):
                     break
                 queue.popleft()
@@ -413,7 +425,7 @@ class ContinuousSampler:
             # 4. one decode chunk
             self.ensure(("decode", w))
             t0 = time.perf_counter()
-            args = (jnp.asarray(table), {k: jnp.asarray(v) for k, v in admit.items()}, jnp.asarray(key, jnp.uint32))
+            args = (table, admit, key)
             if e.mesh is not None:
                 args = jax.device_put(args, e._replicated)
             state = self._compiled[("decode", w)](params, state, *args)
@@ -466,7 +478,8 @@ class ContinuousSampler:
             "slots": S, "decode_chunk": self.C, "chunks": c["chunks"], "slot_steps": steps * S,
             "busy_slot_steps": busy_steps, "occupancy": busy_steps / max(steps * S, 1),
             "slot_steps_per_token": steps * S / max(useful, 1), "preemptions": c["preemptions"],
-            "prefill_tokens": c["prefill_tokens"], "prefill_flops": c["prefill_flops"],
+            "prompt_evictions": c["prompt_evictions"], "prefill_tokens": c["prefill_tokens"],
+            "prefill_flops": c["prefill_flops"],
             "prefill_calls": c["prefill_calls"], "prefill_slots": c["prefill_slots"],
             "kv_page_size": ps, "kv_pages": self.n_pages, "kv_pool_bytes": self.pool_bytes(),
             "kv_dense_bytes": self.dense_bytes(), "kv_peak_used_bytes": c["peak_pages"] * self.page_bytes(),
@@ -496,7 +509,7 @@ class ContinuousSampler:
                     tbl[i, :len(pages[p])] = pages[p]
                     hnd[i] = handles[p]
                 self.ensure(("prefill", n, L))
-                args = tuple(jnp.asarray(a) for a in (tokens, lens, tbl, hnd))
+                args = (tokens, lens, tbl, hnd)
                 if self.e.mesh is not None:
                     args = jax.device_put(args, self.e._replicated)
                 state = self._compiled[("prefill", n, L)](params, state, *args)

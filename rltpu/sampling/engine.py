@@ -337,7 +337,8 @@ class SamplerEngine:
     def dense_cache_bytes(self, rows: int, seq_len: int) -> int:
         """K + V bytes of ``jax_llama.init_cache`` for ``rows`` x ``seq_len``, all layers."""
         m = self.mcfg
-        return 2 * m.num_hidden_layers * rows * m.num_key_value_heads * seq_len * m.head_dim * jnp.dtype(self.dtype).itemsize
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * m.num_hidden_layers * rows * m.num_key_value_heads * seq_len * m.head_dim * itemsize
 
     def probe_logits(self, tokens, position_ids, attention_mask) -> np.ndarray:
         out = _forward(
