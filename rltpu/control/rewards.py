@@ -233,8 +233,10 @@ class RewardPool:
         self._failed: dict[str, list[tuple[Any, str]]] = {k: [] for k in KINDS}
 
     def begin_step(self, step: int) -> None:
-        """A step (or a redo of one) starts: its counters start at zero."""
+        """A step (or a redo of one) starts: its counters start at zero, and rows of an attempt that
+        failed before collecting (a sampler died mid-step) no longer stretch the chunk deadlines."""
         self.step = step
+        self.in_flight = [0] * len(self.handles)
         self._reset_step()
 
     def _count(self, batch: RewardBatch) -> None:
