@@ -13,8 +13,14 @@ row has emitted a stop token or the request's token limit is reached. Logprobs a
 ``softmax(logits / temperature)`` (``T = 1`` when greedy), the distribution the trainer scores,
 before top-k / top-p truncation.
 
+That is the ``static`` engine. ``sampler.engine: continuous`` (the default) routes ``generate``
+and ``precompile`` to ``rltpu.sampling.continuous`` instead: one prefill per prompt shared by its G
+samples, a fixed slot grid refilled between decode chunks, a paged KV cache. Both engines share the
+weights, the version, the compile counters and the output contract.
+
 Over k devices (``devices=``, one sampler's ``placement.chips_per_sampler`` chips) the same
-programs are compiled for a mesh and GSPMD partitions them: see ``rltpu.sampling.tp``.
+programs (of either engine) are compiled for a mesh and GSPMD partitions them: see
+``rltpu.sampling.tp``.
 
 Testable without Ray; ``actors/sampler_actor.py`` only forwards to it.
 """
