@@ -1,7 +1,9 @@
 """Job checkpoints from the driver's side: what goes in the metadata, where, and which one to load.
 
-The trainers write the model and optimizer (``learner.checkpoint``: tmp -> rename, checksums);
-the driver adds what only it knows: step, weight version, data cursor, prompts in flight.
+Every trainer rank writes its own shards of the model, optimizer and critic (``learner.checkpoint``:
+tmp -> rename by rank 0, sha256 of every file); the driver adds what only it knows: step, weight
+version, data cursor, prompts in flight. On resume the driver picks the newest checkpoint that
+verifies and every rank reads only what overlaps its shards, whatever trainer count wrote it.
 """
 
 from __future__ import annotations
