@@ -253,7 +253,7 @@ def test_greedy_equals_transformers_generate_across_a_sliding_window(tmp_path):
 
 _TP_CHILD = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, sys.argv[1])
 import jax
@@ -264,7 +264,7 @@ from rltpu.sampling.engine import SamplerEngine
 from test_sampler import MCFG, V, PAD, EOS, _shapes, _state
 from test_sampler_continuous import CONT, PROMPTS
 res = {}
-for k in (1, 2):
+for k in (1, 2, 4):
     cfg = SamplerConfig(**(dict(group_size=2, temperature=0.0) | CONT))
     eng = SamplerEngine(MCFG, cfg, V, PAD, EOS, _shapes(_state()), devices=k if k > 1 else None)
     eng.precompile()
@@ -281,8 +281,9 @@ print(json.dumps(res))
 
 
 def test_tensor_parallel_engine_gives_the_unsharded_tokens():
-    """SamplerEngine(devices=2): the continuous programs compile for the mesh, the KV pool is split
-    by kv heads (one of the 2 per device), and greedy rows equal the unsharded engine's."""
+    """SamplerEngine(devices=k): the continuous programs compile for the mesh, the KV pool is split
+    by kv heads (one of the 2 per device; at k = 4 each kv head sits on the 2 devices whose q heads
+    read it), and greedy rows equal the unsharded engine's."""
     import json
     import subprocess
     import sys
@@ -293,9 +294,11 @@ def test_tensor_parallel_engine_gives_the_unsharded_tokens():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    one, two = res["1"], res["2"]
-    assert two["tokens"] == one["tokens"]
-    assert np.abs(np.array(two["logprobs"]) - np.array(one["logprobs"])).max() <= 1e-5
-    assert one["compiles_after_precompile"] == two["compiles_after_precompile"] == 0
+    one = res["1"]
     pages, kv, ps, hd = one["pool_shape"]
-    assert kv == MCFG.num_key_value_heads == 2 and two["pool_shard_shapes"] == [[pages, 1, ps, hd]]
+    assert kv == MCFG.num_key_value_heads == 2 and one["compiles_after_precompile"] == 0
+    for k in ("2", "4"):
+        assert res[k]["tokens"] == one["tokens"], k
+        assert np.abs(np.array(res[k]["logprobs"]) - np.array(one["logprobs"])).max() <= 1e-5, k
+        assert res[k]["compiles_after_precompile"] == 0 and res[k]["programs"] == one["programs"]
+        assert res[k]["pool_shard_shapes"] == [[pages, 1, ps, hd]], k
