@@ -608,10 +608,16 @@ def longtail_model(spec: dict, n_prompts: int, chunk: int, sweep: tuple[int, ...
         calls = calls[:(keep + 1) // 2] + calls[len(calls) - keep // 2:]
     half = (len(calls) + 1) // 2
     load = {"start": list(os.getloadavg())}
-    for i in calls[:half]:
+    static_calls = []  # per call: wall s, useful tokens, 1-minute load after it
+
+    def static_call(i):
         with Monitor() as m:
             static_outs.append(eng.generate(prompts[i:i + per_static], LT_G, seed=100 + i, engine="static"))
-        static_wall += m.wall
+        static_calls.append([r(m.wall, 2), int(static_outs[-1]["new_tokens"]), r(os.getloadavg()[0], 2)])
+        return m.wall
+
+    for i in calls[:half]:
+        static_wall += static_call(i)
     log(f"{name}: static first half {static_wall:.1f}s")
     with Monitor() as m:
         cont = eng.generate(prompts, LT_G, seed=100, engine="continuous")
@@ -620,12 +626,10 @@ def longtail_model(spec: dict, n_prompts: int, chunk: int, sweep: tuple[int, ...
     log(f"{name}: continuous {cont_wall:.1f}s ({cont['new_tokens'] / cont_wall:.0f} tok/s, occupancy "
         f"{cont['occupancy']:.3f}, {cont['preemptions']} preemptions)")
     for i in calls[half:]:
-        with Monitor() as m:
-            static_outs.append(eng.generate(prompts[i:i + per_static], LT_G, seed=100 + i, engine="static"))
-        static_wall += m.wall
+        static_wall += static_call(i)
     load["end"] = list(os.getloadavg())
     assert eng.stats.compiles == programs, "a program was compiled after precompile"
-    st = _engine_summary(static_outs, static_wall)
+    st = _engine_summary(static_outs, static_wall) | {"per_call_wall_tokens_load1m": static_calls}
     ct = _engine_summary([cont], cont_wall)
     ct |= {"chunks": cont["chunks"], "decode_chunk": chunk, "slots": LT_SLOTS, "preemptions": cont["preemptions"],
            "prompt_evictions": cont["prompt_evictions"], "program_s": r(cont["program_seconds"], 2),
@@ -652,7 +656,9 @@ def longtail_model(spec: dict, n_prompts: int, chunk: int, sweep: tuple[int, ...
                           "log": [list(x) for x in eng.stats.compile_log]},
            "static": st, "continuous": ct, "kv": kv, "loadavg": load,
            "speedup_useful_tokens_per_s": r(ct["tokens_per_s"] / st["tokens_per_s"], 3),
-           "prefill_flops_drop": r(1 - ct["prefill_gflop"] / st["prefill_gflop"], 4)}
+           # per row: the static engine may have run a subset of the prompts
+           "prefill_flops_drop": r(1 - (ct["prefill_gflop"] / (n_prompts * LT_G))
+                                   / (st["prefill_gflop"] / (len(calls) * per_static * LT_G)), 4)}
     log(f"{name}: static {st['tokens_per_s']} tok/s (occupancy {st['occupancy']}) | continuous {ct['tokens_per_s']} "
         f"tok/s (occupancy {ct['occupancy']}) | speedup {res['speedup_useful_tokens_per_s']}x | KV pool "
         f"{kv['pool_over_dense']:.0%} of dense, peak used {kv['peak_used_over_dense']:.0%}")
