@@ -34,7 +34,8 @@ def run_cli(*args, cwd):
     # k chips per process where the runtime would leave k - 1 idle: refused (issue 16)
     (["placement.mode=colocated", "placement.chips_per_sampler=2", "placement.chips_per_trainer=2",
       "sampler.batch_buckets=[1024]"], "tensor parallelism inside colocated processes is not implemented"),
-    (["placement.chips_per_trainer=2"], "trainer tensor parallelism (FSDP x TP) is not implemented"),
+    (["placement.chips_per_trainer=2", "model.num_key_value_heads=1"],
+     "placement.chips_per_trainer=2: model.num_key_value_heads=1 is not divisible by 2"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, overrides, fragment):
     run_dir = tmp_path / "run"
