@@ -343,6 +343,9 @@ class SamplerConfig(_Section):
     kv_pages: int = Field(0, ge=0)  # continuous: pages in the KV pool (0 = auto, 40% of a dense cache)
     precompile: bool = True  # compile every bucket at actor start
     compile_cache: bool = True  # JAX persistent compilation cache in <run_dir>/jax_cache
+    # another directory for it, shared by runs (programs are keyed by their HLO, devices and flags,
+    # so runs of other shapes only add entries); env RLTPU_COMPILE_CACHE_DIR sets it for every run
+    compile_cache_dir: str | None = None
 
     @field_validator("batch_buckets", "prompt_buckets", "new_token_buckets")
     @classmethod

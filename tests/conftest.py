@@ -18,6 +18,16 @@ import procs
 # tests of the TPU path import torch_tpu themselves
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+# one persistent JAX compile cache for every `rltpu train` the suite starts (the sampler programs of the
+# quickstart grid are compiled once, not once per run); a test of the cache itself uses its own dir
+if "RLTPU_COMPILE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["RLTPU_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="rltpu-suite-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["RLTPU_COMPILE_CACHE_DIR"], True)
+
 RAY_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_USAGE_STATS_ENABLED="0")
 

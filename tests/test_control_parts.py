@@ -4,6 +4,7 @@ rewind point, and the per-step metrics line."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -86,3 +87,23 @@ def test_step_record_means_over_the_global_batch_not_per_rank():
     assert rec["sampler_versions"] == [2, 3]
     assert rec["sync_s"] is None and rec["sync_bytes"] is None  # interrupted after its update: no sync figures
     assert rec["step_s"] >= 1.0
+
+
+def test_compile_cache_dir_config_then_env_then_run_dir(tmp_path, monkeypatch):
+    """``sampler.compile_cache_dir`` wins, then ``RLTPU_COMPILE_CACHE_DIR`` (a cache shared by many runs,
+    as this suite sets it), then ``<run_dir>/jax_cache``; ``compile_cache: false`` turns it off."""
+    from types import SimpleNamespace
+
+    from rltpu.config import load_config
+    from rltpu.control.controller import Controller
+
+    def where(*overrides):
+        cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", list(overrides))
+        return Controller._cache_dir(SimpleNamespace(cfg=cfg, run_dir=tmp_path / "run"))
+
+    monkeypatch.delenv("RLTPU_COMPILE_CACHE_DIR", raising=False)
+    assert where() == str((tmp_path / "run" / "jax_cache").resolve())
+    monkeypatch.setenv("RLTPU_COMPILE_CACHE_DIR", str(tmp_path / "shared"))
+    assert where() == str((tmp_path / "shared").resolve())
+    assert where(f"sampler.compile_cache_dir={tmp_path / 'mine'}") == str((tmp_path / "mine").resolve())
+    assert where("sampler.compile_cache=false") is None

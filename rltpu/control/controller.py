@@ -26,9 +26,11 @@ on a named actor handle.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -186,7 +188,13 @@ class Controller:
             INTERRUPTS.install()
 
     def _cache_dir(self) -> str | None:
-        return str((self.run_dir / "jax_cache").resolve()) if self.cfg.sampler.compile_cache else None
+        """The samplers' persistent compile cache: ``sampler.compile_cache_dir``, else the
+        ``RLTPU_COMPILE_CACHE_DIR`` environment variable (one cache for many runs, e.g. a test suite),
+        else ``<run_dir>/jax_cache``."""
+        if not self.cfg.sampler.compile_cache:
+            return None
+        shared = self.cfg.sampler.compile_cache_dir or os.environ.get("RLTPU_COMPILE_CACHE_DIR")
+        return str(Path(shared).resolve()) if shared else str((self.run_dir / "jax_cache").resolve())
 
     def build_trainers(self) -> list:
         """Start every trainer's engine (colocated: and its in-process sampler, whose compile log
