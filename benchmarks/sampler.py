@@ -687,7 +687,8 @@ def longtail_main(args) -> int:
     if jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", None)
     env = {"python": platform.python_version(), "jax": jax.__version__,
-           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **threads, **precision, "loadavg_start": list(os.getloadavg())}
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **threads, **precision,
+           "loadavg_start": list(os.getloadavg())}
     wanted = set(args.models.split(","))
     sweep = tuple(int(c) for c in args.chunks.split(",")) if args.chunks else ()
     models = {}
