@@ -46,6 +46,8 @@ def test_quickstart_learns_with_chip_owning_actors(tmp_path):
     assert first5 <= 0.2 and last5 >= 0.8, (first5, last5)
     # steady state compiles nothing: every bucket was compiled before step 1
     assert all(r["compiles"] == 0 for r in m[1:])
+    # the continuous engine's counters: 64 distinct prompts of 8 tokens prefilled once each (not x16)
+    assert all(0 < r["sampler_occupancy"] <= 1 and r["sampler_prefill_tokens"] <= 64 * 8 for r in m)
     # every step trained on rollouts of the version just synced, and the version advanced by one
     assert [r["weight_version"] for r in m] == list(range(1, n + 1))
     assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)

@@ -18,6 +18,16 @@ SYNC_KEYS = ("seconds", "bytes", "copied_bytes", "host_bytes", "ici_bytes", "dcn
              "device_put_bytes", "zero_copy_frac")
 
 
+def _mean(values: list):
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _sum(values: list):
+    vals = [v for v in values if v is not None]
+    return sum(vals) if vals else None
+
+
 @dataclass
 class StepTimes:
     t_step: float  # perf_counter at the step's start
@@ -68,6 +78,11 @@ def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen:
         "sample_program_s": max(o["program_seconds"] for o in outs),
         "sample_host_s": max(o["host_seconds"] for o in outs),
         "padding_frac": padded / max(total, 1),
+        # the sampler engine's own counters (continuous engine: busy decode slots, prompt tokens
+        # prefilled once per prompt, rows preempted for KV pages); None where an engine has none
+        "sampler_occupancy": _mean([o.get("occupancy") for o in outs]),
+        "sampler_prefill_tokens": _sum([o.get("prefill_tokens") for o in outs]),
+        "sampler_preemptions": _sum([o.get("preemptions") for o in outs]),
         "sync_bytes": sync["bytes"], "sync_copied_bytes": sync.get("copied_bytes"),
         "sync_host_bytes": sync["host_bytes"], "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
         "sync_staged_bytes": sync.get("staged_bytes"),
