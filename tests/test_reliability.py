@@ -364,7 +364,9 @@ def test_a_closed_terminal_stops_like_sigterm_and_nohup_keeps_running(tmp_path, 
 
     master, slave = pty.openpty()
     done = tmp_path / "stopped"
-    pre = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    # the child's SIGHUP disposition is set either way: a suite started under nohup (or a CI runner that
+    # ignores SIGHUP) would otherwise hand the "terminal" child an ignored SIGHUP
+    pre = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen([sys.executable, "-c", _HANGUP_CHILD, str(done)], stdin=subprocess.DEVNULL, stdout=slave,
                             stderr=slave, cwd=Path(__file__).resolve().parents[1], start_new_session=True,
                             preexec_fn=pre, env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
