@@ -441,8 +441,11 @@ def quickstart_against(tmp_path_factory, shared_ray_head):
     res = run_plan(QUICKSTART, "--hardware", "cpu", "--rebench", "--write-config", out, "--out", tmp / "report",
                    timeout=600)
     assert res.returncode == 0, res.stderr
-    for cfg, steps, run in ((QUICKSTART, 20, tmp / "run"), (out, 3, tmp / "placed_run")):
-        train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}",
+    # the planner costs the sampler as the static engine (its probe runs that one): the run it is compared
+    # with uses it too; the written config runs with the default (continuous) engine
+    for cfg, steps, run, extra in ((QUICKSTART, 20, tmp / "run", ["sampler.engine=static"]),
+                                   (out, 3, tmp / "placed_run", [])):
+        train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}", *extra,
                                 "progress=false", "--run-dir", run, "--address", shared_ray_head], cwd=ROOT,
                                capture_output=True, text=True, timeout=900,
                                env=dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0"))
