@@ -62,9 +62,9 @@ def test_async_staleness_1_learns_within_its_bound(ray_head, tmp_path):
     assert all(r["staleness"] <= 1 for r in m)
     assert [r["sampler_versions"] for r in m[1:]] == [[r["weight_version"] - 2] for r in m[1:]]
     assert m[0]["staleness"] == 0 and all(r["staleness"] == 1 for r in m[1:])
-    # overlap, structurally: step k+1's rollout was generated while step k trained, so the
-    # controller's wait for it is a small part of the samplers' generate time
-    assert statistics.median(r["sample_s"] for r in m[1:]) < 0.5 * statistics.median(r["sampler_busy_s"] for r in m[1:])
+    # overlap, structurally: while step k trained, step k+1's rollout was already handed to the samplers
+    # (a timing ratio stopped telling it apart once the continuous engine made a rollout ~0.05 s)
+    assert all(r["rollouts_in_flight"] == 1 for r in m[:-1]), [r["rollouts_in_flight"] for r in m]
     lines = read_ledger(tmp_path / "run" / "ledger.jsonl")
     assert check(lines, len(m), 64) == []
     assert all(d["weight_version"] - d["behaviour_version"] == min(d["step"] - 1, 1) for d in lines)

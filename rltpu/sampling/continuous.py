@@ -390,6 +390,14 @@ class ContinuousSampler:
                     continue
                 want = math.ceil(min(slot_glen[s] + self.C, n_new) / ps)
                 while len(slot_pages[s]) < want:
+                    if not free_pages:  # first the pages of prompts no slot reads (re-prefilled later)
+                        reading = {int(x) // G for x in slot_row[slot_row >= 0]}
+                        for q in [q for q in prompt_pages if q not in reading]:
+                            free_pages.extend(prompt_pages.pop(q))
+                            free_handles.append(prompt_handle.pop(q))
+                            c["prompt_evictions"] += 1
+                        if free_pages:
+                            continue
                     if not free_pages:
                         busy = np.flatnonzero(slot_row >= 0)
                         v = busy[np.argmax(slot_order[busy])]
