@@ -17,6 +17,19 @@ import time
 from pathlib import Path
 
 
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
+    """Inside a spawned rank: one CPU thread, gloo on loopback, join the ``world``-rank group on ``port``."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
 def spawn_ranks(target, world: int, args: tuple, timeout_s: float, what: str = "") -> dict[int, object]:
     """Start ``target(rank, world, port, *args, q)`` per rank; each puts ``(rank, report)`` on ``q``."""
     import torch.multiprocessing as mp

@@ -13,7 +13,6 @@ import os
 import signal
 import struct
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 from learner.checkpoint import latest_valid, load_checkpoint, verify_checkpoint
 from learner.trainer import TrainerEngine
 from rltpu.control.batch import split_by_rank
-from procs import spawn_ranks
+from procs import join_gloo, spawn_ranks
 from test_trainer_fsdp import MCFG, SEED, TCFG, TEMPERATURE, V, _global, _params, synthetic_batch
 
 torch.set_num_threads(1)
@@ -55,14 +54,11 @@ def _no_pickle(ckpt: Path) -> list[str]:
 
 
 def _reshard_worker(rank: int, world: int, port: int, tmp: str, q) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        join_gloo(rank, world, port)
         mesh = init_device_mesh("cpu", (world,))
         # 1 -> 2: the single process's step-1 checkpoint onto this 2-rank mesh, then step 2, saved by
         # both ranks for the parent to resume alone (2 -> 1)
@@ -213,8 +209,6 @@ def test_checkpoint_of_the_full_file_layout_still_loads(tmp_path):
 
 
 def _tp_worker(rank: int, world: int, port: int, tmp: str, q) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from learner.fsdp import trainer_mesh
@@ -222,8 +216,7 @@ def _tp_worker(rank: int, world: int, port: int, tmp: str, q) -> None:
     from test_trainer_tp import MCFG as TP_MCFG, TCFG as TP_TCFG, TP
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        join_gloo(rank, world, port)
         mesh = trainer_mesh(dist.group.WORLD, "cpu", tp=TP, groups=mesh_groups(world, TP, rank))
         shard = lambda seed: split_by_rank(synthetic_batch(seed), world // TP)[rank // TP]  # noqa: E731
         eng = TrainerEngine(TP_MCFG, TP_TCFG, V, SEED, TEMPERATURE, mesh=mesh)

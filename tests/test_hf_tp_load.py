@@ -12,7 +12,6 @@ block fails.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -26,7 +25,7 @@ from rltpu.config import ModelConfig  # noqa: E402
 from rltpu.models.hf.tiny import write_tiny_checkpoint  # noqa: E402
 from rltpu.models.hf.weights import CheckpointDir  # noqa: E402
 from rltpu.models.tp_plan import split_dim  # noqa: E402
-from procs import spawn_ranks  # noqa: E402
+from procs import join_gloo, spawn_ranks  # noqa: E402
 
 torch.set_float32_matmul_precision("highest")
 TOL = 1e-4
@@ -50,8 +49,6 @@ def _ids(vocab: int) -> np.ndarray:
 
 
 def _load_worker(rank: int, world: int, port: int, tp: int, paths: dict, q) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from learner.fsdp import trainer_mesh
@@ -70,8 +67,7 @@ def _load_worker(rank: int, world: int, port: int, tp: int, paths: dict, q) -> N
 
     weights.SafetensorsFile.read = counted
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        join_gloo(rank, world, port)
         mesh = trainer_mesh(dist.group.WORLD, "cpu", tp=tp, groups=mesh_groups(world, tp, rank))
         out = {}
         for arch, path in paths.items():

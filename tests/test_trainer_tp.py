@@ -6,7 +6,6 @@ TP plan taken out fails that check (the evidence that the plan ran is part of it
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
@@ -18,7 +17,7 @@ from learner.trainer import TrainerEngine  # noqa: E402
 from rltpu.config import ModelConfig  # noqa: E402
 from rltpu.control.batch import split_by_rank  # noqa: E402
 from rltpu.models.tp_plan import split_dim, tp_problem  # noqa: E402
-from procs import spawn_ranks  # noqa: E402
+from procs import join_gloo, spawn_ranks  # noqa: E402
 from test_trainer_fsdp import SEED, TCFG as FSDP_TCFG, TEMPERATURE, V, synthetic_batch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -39,8 +38,6 @@ TIMEOUT_S = 120.0
 
 
 def _tp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     import learner.tp
@@ -48,8 +45,7 @@ def _tp_worker(rank: int, world: int, port: int, batch: dict, q) -> None:
     from rltpu.chips.runtime import mesh_groups
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        join_gloo(rank, world, port)
         mesh = trainer_mesh(dist.group.WORLD, "cpu", tp=TP, groups=mesh_groups(world, TP, rank))
         shard = split_by_rank(batch, DP)[rank // TP]  # the two ranks of a TP group share one shard
         out = {}
