@@ -305,6 +305,30 @@ def test_remote_binds_in_the_config_need_allow_remote():
         assert load_config(q, [key, f"{section}.allow_remote=true"])
 
 
+def test_remote_binds_with_the_flag_print_a_warning(tmp_path, monkeypatch, capsys):
+    """The flag lets a non-loopback bind through, never silently: the dashboard and the embedded
+    cluster each print a one-line warning."""
+    from rltpu.chips import cluster
+    from rltpu.config import load_config
+    from rltpu.observe.dashboard import serve
+
+    server = serve(tmp_path, "0.0.0.0", 0)
+    server.shutdown()
+    server.server_close()
+    err = capsys.readouterr().err
+    assert "rltpu: warning: the dashboard listens on 0.0.0.0:" in err and "no authentication" in err
+    for var in [*cluster.RAY_ENV, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "HOME"]:
+        monkeypatch.setenv(var, "x")  # recorded, so whatever start_or_join sets is undone
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cluster, "_start_or_join", lambda *a, **k: {})  # no Ray: the warning comes first
+    q = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    cfg = load_config(q, ["cluster.bind_host=10.1.2.3", "cluster.allow_remote=true"])
+    cluster.start_or_join(cfg.cluster, None, 0, None, tmp_path / "run")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rltpu: warning: the embedded Ray cluster binds 10.1.2.3"), err
+
+
 def test_a_swallowed_interrupt_is_raised_again_at_the_next_check():
     """A KeyboardInterrupt raised inside a finalizer or an import hook is printed as "Exception
     ignored" and lost (seen with Ctrl-C during start-up): ``check`` raises it again."""
