@@ -6,8 +6,11 @@ start-up, none needed), and a ``--resume`` to the end whose ledger has no prompt
     python benchmarks/interrupt_fuzz.py --trials 20 --steps 4            # 20 moments x 2 signals
     python benchmarks/interrupt_fuzz.py --trials 2 --steps 3 --out f.json  # a reduced run
 
-One JSON document on stdout (and in ``--out``): per trial the signal, progress mode, delay, the
-phase the driver was in (from its stop line), exit codes and what failed; ``clean`` counts.
+One JSON document on stdout and in ``--out`` (default
+``benchmarks/results/single/interrupt_fuzz-<machine>-<date>.json``, rewritten after every trial so a
+stopped fuzz keeps what it measured): per trial the signal, progress mode, delay, the phase the driver
+was in (from its stop line), exit codes and what failed; ``clean`` counts; the machine, commit and
+load (as ``benchmarks/all.py`` records them).
 SIGTERM goes to the driver only (as ``kill`` or a scheduler sends it); SIGINT to the whole
 process group (as Ctrl-C in a terminal does).
 """
@@ -34,6 +37,16 @@ sys.path.insert(0, str(ROOT))
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 ENV = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}  # the product default: token auth
+
+
+def bench_all():
+    """benchmarks/all.py as a module: machine(), commit_info(), loadavg(), LoadSampler."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rltpu_bench_all", ROOT / "benchmarks" / "all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def launch(run_dir: Path, steps: int, progress: bool, resume: bool = False):
@@ -123,16 +136,29 @@ def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path
 
 
 def main() -> int:
+    import datetime as dt
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20, help="moments per signal (each: progress on and off alternate)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--max-delay", type=float, default=None, help="latest moment (s); default: a measured run's length")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/single/interrupt_fuzz-<machine>-<date>.json")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    A = bench_all()
+    mach = A.machine()
+    out = Path(args.out) if args.out else (ROOT / "benchmarks" / "results" / "single" /
+                                          f"interrupt_fuzz-{A.machine_slug(mach)}-{dt.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="rltpu-fuzz-"))
+    meta = {"benchmark": "interrupt_fuzz", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": mach, **A.commit_info(), "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "loadavg_before": A.loadavg(), "base_dir": str(base)}
+    load = A.LoadSampler(every=30.0)
+    load.start()
     t0 = time.time()
     max_delay = args.max_delay
     if max_delay is None:  # one uninterrupted run sets the window: start-up to the last step
@@ -141,16 +167,26 @@ def main() -> int:
         max_delay = time.time() - t0
     plan = [(sig, k % 2 == 0) for k in range(args.trials) for sig in (signal.SIGTERM, signal.SIGINT)]
     results = []
+
+    def document() -> dict:
+        from collections import Counter
+
+        return {**meta, "trials_planned": len(plan), "trials": len(results),
+                "clean": sum(not r["problems"] for r in results), "steps": args.steps,
+                "max_delay_s": round(max_delay, 1), "phases": sorted({r.get("phase", "?") for r in results}),
+                "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
+                "wall_s": round(time.time() - t0, 1), "loadavg_now": A.loadavg(), "load_during": load.summary(),
+                "results": results}
+
     for i, (sig, progress) in enumerate(plan):
         results.append(trial(i, sig, progress, rng.uniform(1.0, max_delay), args.steps, base))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    clean = sum(not r["problems"] for r in results)
-    doc = {"trials": len(results), "clean": clean, "steps": args.steps, "max_delay_s": round(max_delay, 1),
-           "phases": sorted({r.get("phase", "?") for r in results}), "wall_s": round(time.time() - t0, 1),
-           "results": results}
+        out.write_text(json.dumps(document(), indent=1))
+    load.stop.set()
+    doc = document()
+    clean = doc["clean"]
     print(json.dumps(doc, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+    out.write_text(json.dumps(doc, indent=1))
     if not args.keep:
         import shutil
 
