@@ -248,7 +248,8 @@ class TaskConfig(_Section):
     template); every other column reaches the reward function in ``example``.
     """
 
-    name: Literal["copy", "reverse", "sort"] = "copy"
+    name: Literal["copy", "reverse", "sort", "calc", "guess"] = "copy"  # calc, guess: played through env
+    alphabet: str | None = None  # the char tokenizer's characters; None: the task's own (rltpu.data.synthetic)
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
     reward_fn: str = "rltpu.data.rewards:partial_credit"  # any importable ``module:function``
@@ -279,6 +280,26 @@ class TaskConfig(_Section):
                              f"(JSON Lines, a JSON list of objects, or Parquet)")
         if self.prompt_key == self.messages_key:
             raise ValueError(f"prompt_key and messages_key are both {self.prompt_key!r}; they name different columns")
+        return self
+
+
+class EnvConfig(_Section):
+    """Multi-turn rollouts (``rltpu.data.envs``): each sample is an episode of up to ``max_turns`` policy
+    turns; after each, the environment's ``step`` returns an observation (appended to the sequence,
+    masked out of the loss), a reward (summed into the episode's) and whether the episode is done.
+    Environment calls run in CPU-only Ray workers under ``task.reward_timeout_s``; a failed call
+    ends its episode scored ``task.reward_default`` and counts like a failed reward call.
+    """
+
+    path: str  # ``module:Class``; a new instance per episode, built with ``kwargs``
+    kwargs: dict[str, Any] = {}
+    max_turns: int = Field(4, ge=1)
+    max_tokens: int = Field(32, ge=2)  # the response region: every turn's completion and observation
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnvConfig":
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.path):
+            raise ValueError(f"path must be 'module:Class', got {self.path!r}")
         return self
 
 
@@ -379,6 +400,39 @@ class SamplerConfig(_Section):
         return self.new_token_buckets or (self.max_new_tokens,)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (``learner/lora.py``): W x + (alpha / rank) B A x on the named projections,
+    the base frozen. Only A and B train, sync (after the first full sync) and checkpoint."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank (the PEFT convention)
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, training only
+    target_modules: tuple[str, ...] = LORA_TARGETS  # HF projection names; default: all seven
+    # how the sampler applies the adapters: "merged" = W + s B A computed once per sync (decode runs
+    # the base program); "lowrank" = x W^T + s (x A^T) B^T inside the compiled program
+    sampler_apply: Literal["merged", "lowrank"] = "merged"
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraConfig":
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank={self.rank} must be a positive integer (e.g. trainer.lora.rank=8)")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be > 0 (the update is scaled by alpha / rank)")
+        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if bad or not self.target_modules:
+            raise ValueError(f"lora.target_modules has {bad[0]!r}, not a projection of this model family; "
+                             f"use some of {', '.join(LORA_TARGETS)}" if bad else
+                             f"lora.target_modules is empty; use some of {', '.join(LORA_TARGETS)}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class TrainerConfig(_Section):
     """The policy update on the FSDP2-wrapped policy: algorithm, optimizer, loss options."""
 
@@ -426,6 +480,7 @@ class TrainerConfig(_Section):
     # recomputed in backward): extra memory ~ chunk x vocab x 4 B x ~3, not sequence x vocab; 0 = whole
     # micro-batch at once. 512 at Qwen's 152k vocab: ~0.9 GB transient instead of ~600 KB x 3 per token
     logprob_chunk_tokens: int = Field(512, ge=0)
+    lora: LoraConfig | None = None  # train low-rank adapters on a frozen base (None: every parameter)
 
     @model_validator(mode="after")
     def _algorithm(self) -> "TrainerConfig":
@@ -575,6 +630,7 @@ class RunConfig(_Section):
     critic: CriticConfig | None = None  # PPO's value model; required by trainer.algorithm=ppo
     reward_model: RewardModelConfig | None = None  # RLHF: a reward-model group on placement.reward_chips
     eval: EvalConfig | None = None  # held-out evaluation during training (rltpu.control.evaluation)
+    env: EnvConfig | None = None  # multi-turn environment rollouts (rltpu.data.envs); None: one completion per sample
     sync: SyncConfig = SyncConfig()
     backend: BackendConfig = BackendConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -597,6 +653,14 @@ class RunConfig(_Section):
         if self.critic is not None and self.trainer.algorithm != "ppo":
             raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
                              f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")
+        if self.trainer.lora is not None:
+            _check_lora(self)
+        if self.env is not None:
+            _check_env(self)
+        elif self.task.name in ("calc", "guess") and self.task.dataset is None:
+            raise ValueError(f"task.name={self.task.name} is played through an environment: add env.path "
+                             f"(rltpu.data.envs.{'calculator:Calculator' if self.task.name == 'calc' else 'guess:GuessNumber'}) "
+                             f"or pick copy/reverse/sort")
         if self.placement.staleness and self.trainer.dynamic_sampling:
             raise ValueError("placement.staleness > 0 with trainer.dynamic_sampling is not supported (a refill "
                              "round needs the step's own rewards); set one of them off")
@@ -633,6 +697,34 @@ class RunConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())
+
+
+def _check_env(cfg: "RunConfig") -> None:
+    """What multi-turn rollouts do not run with, each refused in one line before Ray starts."""
+    if cfg.trainer.algorithm == "ppo":
+        raise ValueError("env with trainer.algorithm=ppo is not supported (GAE would run across the "
+                         "environment's masked tokens); use grpo, drgrpo, rloo or reinforce_pp")
+    if cfg.eval is not None:
+        raise ValueError("env with an eval section is not supported yet (evaluation scores single completions "
+                         "with task.reward_fn); remove eval or env")
+    if cfg.placement.mode == "colocated":
+        raise ValueError("env with placement.mode=colocated is not supported yet; use disaggregated")
+    if cfg.env.max_tokens < cfg.sampler.max_new_tokens:
+        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} is smaller than one turn's "
+                         f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}; raise env.max_tokens")
+
+
+def _check_lora(cfg: "RunConfig") -> None:
+    """What LoRA does not run with yet, each refused in one line before Ray starts."""
+    if cfg.critic is not None:
+        raise ValueError("trainer.lora with PPO's critic is not supported (the critic would train a full copy "
+                         "of the base); use a critic-free algorithm (grpo, rloo, ...) or remove trainer.lora")
+    if cfg.placement.chips_per_trainer > 1 or cfg.placement.chips_per_sampler > 1:
+        raise ValueError("trainer.lora with tensor parallelism (placement.chips_per_trainer/chips_per_sampler > 1) "
+                         "is not supported; set both to 1 or remove trainer.lora")
+    if cfg.placement.mode == "colocated":
+        raise ValueError("trainer.lora with placement.mode=colocated is not supported (the in-process handoff "
+                         "copies full weights); use placement.mode=disaggregated or remove trainer.lora")
 
 
 # ---------------------------------------------------------------------------------------------

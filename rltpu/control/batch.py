@@ -13,6 +13,9 @@ import torch
 from learner.losses import ppo_advantages, token_advantages
 
 
+EPISODE_KEYS = ("policy_mask", "token_versions", "turns", "truncated")
+
+
 def merge_generations(outs: list[dict], pad_id: int) -> dict:
     """Concatenate per-sampler outputs (or already merged batches), left-padding prompts to the
     widest prompt bucket used."""
@@ -29,6 +32,8 @@ def merge_generations(outs: list[dict], pad_id: int) -> dict:
         "lengths": np.concatenate([o["lengths"] for o in outs]),
         "versions": np.concatenate([o["versions"] if "versions" in o else np.full(len(o["lengths"]), o["version"])
                                     for o in outs]),
+        # multi-turn episodes (rltpu.data.envs): which response tokens are the policy's, and their versions
+        **{k: np.concatenate([o[k] for o in outs]) for k in EPISODE_KEYS if all(k in o for o in outs)},
     }
 
 
@@ -44,13 +49,15 @@ def train_layout(gen: dict) -> dict:
     prompt, pmask = gen["prompt"], gen["prompt_mask"]  # (R, P)
     tokens, lengths = gen["tokens"], gen["lengths"]  # (R, T), (R,)
     T = tokens.shape[1]
-    cmask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int32)  # (R, T) incl. EOS
+    real = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int32)  # (R, T) incl. EOS
+    # multi-turn: only the policy's tokens are trained; the environment's are seen, not scored
+    cmask = gen["policy_mask"].astype(np.int32) * real if "policy_mask" in gen else real
     ppos = np.maximum(np.cumsum(pmask, axis=1) - 1, 0)
     cpos = pmask.sum(axis=1, keepdims=True) + np.arange(T)[None, :]
     return {
         "tokens": np.concatenate([prompt, tokens], axis=1).astype(np.int64),  # (R, P+T)
         "position_ids": np.concatenate([ppos, cpos], axis=1).astype(np.int64),
-        "attention_mask": np.concatenate([pmask, cmask], axis=1).astype(np.int64),
+        "attention_mask": np.concatenate([pmask, real], axis=1).astype(np.int64),
         "loss_mask": np.concatenate([np.zeros_like(pmask), cmask], axis=1).astype(np.float32),
         "old_logprobs": np.concatenate([np.zeros(pmask.shape, np.float32), gen["logprobs"] * cmask], axis=1),
     }

@@ -42,6 +42,7 @@ from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                                  split_by_rank, split_prompts, train_layout)
 from rltpu.control.checkpoints import Checkpoints
+from rltpu.control.environments import EnvPool
 from rltpu.control.interrupts import INTERRUPTS
 from rltpu.control.evaluation import Evaluator
 from rltpu.control.placement import Placement
@@ -52,6 +53,7 @@ from rltpu.control.rollouts import PromptDraws, Rollout, RolloutQueue
 from rltpu.control.supervisor import Supervisor
 from rltpu.control.weights import WeightSync
 from rltpu.data.rewards import load_reward_fn
+from rltpu.data.envs.base import load_env_class, make_env
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.observe.health import HealthError, bounded_get
 from rltpu.observe.ledger import Ledger
@@ -75,6 +77,9 @@ class Controller:
         # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
         load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
         self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray
+        self.envs: EnvPool | None = None  # env: the environment workers (one per sampler), started with Ray
+        if cfg.env is not None:  # a bad path or kwargs fails here, before Ray starts
+            make_env(load_env_class(cfg.env.path), cfg.env.kwargs)
         # held-out evaluation: its file is read and checked here, before Ray starts
         self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed) if cfg.eval else None
         self.data = build_dataset(cfg, self.tokenizer)
@@ -84,7 +89,7 @@ class Controller:
                   f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} (min/mean/max)"
                   f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}",
                   file=sys.stderr, flush=True)
-        self.spec = param_spec(cfg.model, self.vocab)
+        self.spec = param_spec(cfg.model, self.vocab, cfg.trainer.lora)  # LoRA: base + adapters
         if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
             from rltpu.models.hf.weights import CheckpointDir
 
@@ -142,6 +147,9 @@ class Controller:
         self.rewards = RewardPool(self.cfg.task, RayRewardWorkers(ray, self.cfg.task), self.run_dir,
                                   startup_s=d.identity)
         self.rewards.start()
+        if self.cfg.env is not None:
+            self.envs = EnvPool(ray, self.cfg, len(g.samplers))
+            self.envs.start()
         n_t = len(g.trainers)
         members = g.trainers if self.colocated else g.trainers + g.samplers
         master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
@@ -243,6 +251,8 @@ class Controller:
 
         def call(r):
             s = samplers[r]
+            if self.envs is not None:  # shards of examples: episodes played by the environment workers
+                return s, self.envs.run(r, s, shards[r], G, seed + r, greedy_eval)
             if greedy_eval is None:
                 return s, s.generate.remote(shards[r], G, seed + r)
             return s, s.generate_eval.remote(shards[r], G, seed + r, greedy_eval)
@@ -266,7 +276,8 @@ class Controller:
                     if on_shard is not None:
                         on_shard(r, outs[r])
             todo = [r for r in todo if outs[r] is None]
-            if errors and not self.supervisor.heal(errors[0]) and not stale:
+            env_replaced = bool(errors) and self.envs is not None and self.envs.replace_dead()
+            if errors and not self.supervisor.heal(errors[0]) and not stale and not env_replaced:
                 raise errors[0]
         return outs
 
@@ -309,13 +320,12 @@ class Controller:
         q.submitting, self.draws.pending = data_before, []  # an interrupt mid-draw still rewinds to here
         examples = self.draws.draw(n)
         drawn, self.draws.pending = self.draws.pending, saved
-        prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
-        check_prompt_lengths(prompt_ids, examples, cfg.sampler)
         samplers = self.placement.groups.samplers
-        shards = split_prompts(prompt_ids, len(samplers))
+        shards = self._shards(examples)
         seed = cfg.seed * 1_000_003 + (step - 1) * 131  # what the on-policy loop uses for this step
         G = cfg.sampler.group_size
-        refs = {r: (s, s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(samplers)}
+        refs = {r: (s, self.envs.run(r, s, shards[r], G, seed + r) if self.envs is not None
+                    else s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(samplers)}
         q.inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs))
         q.submitting = None
 
@@ -333,9 +343,7 @@ class Controller:
         rounds, have, seen = 0, 0, 0
         while have < n and rounds < (cfg.trainer.max_sample_rounds if cfg.trainer.dynamic_sampling else 1):
             examples = self.draws.draw(n)  # next_batch(n), recording prompt ids for the ledger
-            prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
-            check_prompt_lengths(prompt_ids, examples, cfg.sampler)
-            shards = split_prompts(prompt_ids, len(self.placement.groups.samplers))
+            shards = self._shards(examples)
             seed = cfg.seed * 1_000_003 + self.step_idx * 131 + rounds * 7
             scoring = self._scoring(examples, G)  # each shard's rows go to the reward workers as they arrive
             outs = self._generate(shards, G, seed, on_shard=scoring.submit)  # a failed shard is redone
@@ -356,9 +364,18 @@ class Controller:
             "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
             "reward_mean_sampled": float(np.concatenate(sampled).mean())}
 
+    def _shards(self, examples: list[dict]) -> list[list]:
+        """One shard per sampler: prompt ids, or (env) the examples, whose first prompt the
+        environment's ``reset`` writes in the environment worker."""
+        if self.envs is not None:
+            return split_prompts(examples, len(self.placement.groups.samplers))
+        prompt_ids = [self.data.encode(e, self.tokenizer) for e in examples]
+        check_prompt_lengths(prompt_ids, examples, self.cfg.sampler)
+        return split_prompts(prompt_ids, len(self.placement.groups.samplers))
+
     def _scoring(self, examples: list[dict], G: int) -> "_ShardScoring":
         return _ShardScoring(self.rewards, self.tokenizer, split_prompts(examples, len(self.placement.groups.samplers)),
-                             G)
+                             G, episodes=self.envs is not None)
 
     def _rewards(self, gen: dict, scoring: "_ShardScoring") -> np.ndarray:
         """``task.reward_weight x reward_fn`` (from the reward workers; too many failed calls stop the
@@ -663,6 +680,8 @@ class Controller:
         self.supervisor.stop(state)
         if self.rewards is not None:
             self.rewards.shutdown()
+        if self.envs is not None:
+            self.envs.shutdown()
         self.placement.shutdown()
 
 
@@ -671,12 +690,17 @@ class _ShardScoring:
     moment the shard arrives (``submit``, the ``on_shard`` hook); ``collect`` returns them in the
     merged (rank) order. A shard redone after a sampler failure simply replaces its batch."""
 
-    def __init__(self, pool: RewardPool, tokenizer, example_shards: list[list[dict]], G: int):
+    def __init__(self, pool: RewardPool, tokenizer, example_shards: list[list[dict]], G: int, episodes: bool = False):
         self.pool, self.tokenizer, self.example_shards, self.G = pool, tokenizer, example_shards, G
+        self.episodes = episodes  # env: the rows arrive scored (episode returns and failure kinds)
         self.batches: dict[int, RewardBatch] = {}
 
     def submit(self, rank: int, out: dict) -> None:
         exs = self.example_shards[rank]
+        if self.episodes:
+            rows = [exs[i // self.G] for i in range(len(out["rewards"]))]
+            self.batches[rank] = self.pool.record(out["rewards"], out["reward_kinds"], out["reward_details"], rows)
+            return
         texts = decode_completions(out, self.tokenizer)
         self.batches[rank] = self.pool.submit(texts, [exs[i // self.G] for i in range(len(texts))])
 

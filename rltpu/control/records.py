@@ -67,6 +67,12 @@ def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen:
         "value_mse": per_token("value_sq_err_sum") if "value_sq_err_sum" in stats[0] else None,
         "value_mean": per_token("value_sum") if "value_sum" in stats[0] else None,
         "response_len": float(gen["lengths"].mean()),
+        # multi-turn episodes (env:): policy turns per episode, episodes cut by env.max_tokens or the
+        # prompt buckets, policy tokens per row, and the environment workers' seconds in reset/step
+        "env_turns_mean": float(gen["turns"].mean()) if "turns" in gen else None,
+        "env_truncated_frac": float(gen["truncated"].mean()) if "truncated" in gen else None,
+        "policy_tokens_mean": float(gen["policy_mask"].sum(1).mean()) if "policy_mask" in gen else None,
+        "env_s": max(o["env_seconds"] for o in outs) if "env_seconds" in outs[0] else None,
         "sample_s": times.sample_s, "train_s": times.train_s, "sync_s": sync["seconds"],
         "step_s": time.perf_counter() - times.t_step,
         # time each group spent in its own work (mean sampler over its generate calls; slowest
@@ -84,6 +90,7 @@ def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen:
         "sampler_prefill_tokens": _sum([o.get("prefill_tokens") for o in outs]),
         "sampler_preemptions": _sum([o.get("preemptions") for o in outs]),
         "sync_bytes": sync["bytes"], "sync_copied_bytes": sync.get("copied_bytes"),
+        "sync_adapter_only": sync.get("adapter_only"),  # LoRA: this step's sync moved only the adapters
         "sync_host_bytes": sync["host_bytes"], "sync_ici_bytes": sync["ici_bytes"], "sync_dcn_bytes": sync["dcn_bytes"],
         "sync_staged_bytes": sync.get("staged_bytes"),
         # host staging -> sampler devices (real chips, tensor-parallel meshes): each device's slices

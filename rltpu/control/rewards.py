@@ -175,6 +175,12 @@ class RewardPool:
                 self._send(batch, slot, rows)
         return batch
 
+    def record(self, values, kinds: list[str], details: list[str], examples: list[dict]) -> RewardBatch:
+        """Outcomes scored elsewhere (an environment's episodes, ``rltpu.control.environments``): a
+        batch already settled, counted like reward calls when collected (same counters, same stop)."""
+        return RewardBatch([""] * len(kinds), list(examples), np.asarray(values, np.float32).copy(), list(kinds),
+                           list(details))
+
     def _fill(self, batch: RewardBatch, rows, values, kinds, details) -> None:
         for i, v, k, d in zip(rows, values, kinds, details):
             batch.values[i] = v if k == "ok" else self.task.reward_default

@@ -125,13 +125,14 @@ class HFTokenizer:
             ids = ids[:cut]
         return self._tok.decode(ids, skip_special_tokens=not show_special)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Chat messages -> the prompt text, ending with the assistant turn's header."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Chat messages -> the prompt text, ending with the assistant turn's header (unless
+        ``add_generation_prompt`` is False: multi-turn rendering compares the two)."""
         if not self.chat_template:
             raise TokenizerError(f"the tokenizer in '{self.directory}' has no chat_template; add one to "
                                  f"tokenizer_config.json (or chat_template.jinja), or give the dataset a "
                                  f"'prompt' text column instead of 'messages'")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def save(self, directory: str | Path) -> None:
         """Copy the tokenizer's files (and generation_config.json) verbatim into ``directory``."""

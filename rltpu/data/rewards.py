@@ -87,6 +87,14 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
 FAILURE_KINDS = ("error", "timeout", "nonfinite")  # what a failed call scores as task.reward_default
 
 
+def finite_reward(result) -> tuple[float | None, str, str]:
+    """A reward call's result: a finite number (``float`` raises on anything else: an error)."""
+    value = float(result)
+    if not math.isfinite(value):
+        return None, "nonfinite", f"returned {value}"
+    return value, "ok", ""
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}{': ' + text[0][:200] if text else ''}"
@@ -106,8 +114,12 @@ class DeadlineRunner:
     ``FAILURE_KINDS`` with ``value`` None and a one-line ``detail``.
     """
 
-    def __init__(self, fn: RewardFn, timeout_s: float, concurrency: int):
+    def __init__(self, fn: Callable, timeout_s: float, concurrency: int,
+                 check: Callable[[object], tuple] | None = None):
+        """``check(result) -> (value, kind, detail)`` judges a returned result; the default wants a
+        finite number (a reward). Environments pass their own (``rltpu.data.envs.episodes``)."""
         self.fn, self.timeout_s, self.concurrency = fn, float(timeout_s), int(concurrency)
+        self.check = check or finite_reward
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._running: dict[int, tuple] = {}  # runner id -> (job, index, start)
@@ -131,9 +143,7 @@ class DeadlineRunner:
             with self._cond:
                 self._running[rid] = (job, i, time.monotonic())
             try:
-                value, kind, detail = float(self.fn(*item)), "ok", ""
-                if not math.isfinite(value):
-                    value, kind, detail = None, "nonfinite", f"returned {value}"
+                value, kind, detail = self.check(self.fn(*item))
             except Exception as err:  # noqa: BLE001 - any exception in user code is the call's outcome
                 value, kind, detail = None, "error", _one_line(err)
             with self._cond:

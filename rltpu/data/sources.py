@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from rltpu.config import ConfigError
-from rltpu.data.synthetic import Cursor, SyntheticPromptDataset
-from rltpu.data.char_tokenizer import CharTokenizer
+from rltpu.data.synthetic import TASK_ALPHABET, Cursor, SyntheticPromptDataset
+from rltpu.data.char_tokenizer import DEFAULT_ALPHABET, CharTokenizer
 
 
 class DatasetError(ConfigError):
@@ -49,7 +49,7 @@ def build_tokenizer(cfg):
     """``HFTokenizer`` from :func:`tokenizer_dir`, or the built-in ``CharTokenizer`` when none is set."""
     directory = tokenizer_dir(cfg)
     if directory is None:
-        return CharTokenizer()
+        return CharTokenizer(cfg.task.alphabet or TASK_ALPHABET.get(cfg.task.name, DEFAULT_ALPHABET))
     from rltpu.data.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(directory)

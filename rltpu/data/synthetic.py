@@ -13,10 +13,21 @@ from dataclasses import dataclass
 import numpy as np
 
 TASK_PREFIX = {"copy": "c", "reverse": "r", "sort": "s"}
+# tasks played through an environment (``rltpu.data.envs``): their examples carry what the environment needs
+ENV_TASKS = ("calc", "guess")
+# their characters (the char tokenizer's alphabet): digits, the tool call '<' and '*', '=' before an
+# answer; guesses, the feedback '<' (lower) / '>' (higher), '?' to start and '!' for an invalid guess
+TASK_ALPHABET = {"calc": "0123456789*=<", "guess": "0123456789?<>!"}
 
 
 def make_example(task: str, index: int, seed: int, min_digits: int, max_digits: int) -> dict:
     rng = np.random.default_rng([seed, index])
+    if task == "calc":  # rltpu.data.envs.calculator: a product of two numbers of min..max digits, via the tool
+        a, b = (_number(rng, int(rng.integers(min_digits, max_digits + 1))) for _ in range(2))
+        return {"id": index, "prompt": f"{a}*{b}=", "expression": f"{a}*{b}", "answer": str(a * b)}
+    if task == "guess":  # rltpu.data.envs.guess: a secret digit found from higher/lower feedback
+        secret = int(rng.integers(0, 10))
+        return {"id": index, "prompt": "?", "secret": secret, "answer": str(secret)}
     n = int(rng.integers(min_digits, max_digits + 1))
     digits = "".join(str(d) for d in rng.integers(0, 10, size=n))
     if task == "copy":
@@ -28,6 +39,10 @@ def make_example(task: str, index: int, seed: int, min_digits: int, max_digits: 
     else:
         raise ValueError(f"unknown task {task!r}; allowed: {sorted(TASK_PREFIX)}")
     return {"id": index, "prompt": f"{TASK_PREFIX[task]}{digits}=", "answer": answer}
+
+
+def _number(rng, digits: int) -> int:
+    return int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
 
 
 @dataclass

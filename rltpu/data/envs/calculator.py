@@ -1,0 +1,62 @@
+"""Bundled example 1, tool use: multiply two numbers with a calculator the policy has to call.
+
+    prompt       37*52=
+    policy       <37*52        a call: '<' then the expression (ends at the stop token)
+    environment  1924=         the tool's result
+    policy       1924          the answer
+
+Rewards (summed over the episode, at most 1): ``call_credit`` x the call's expression against the
+prompt's (position-wise credit, so a partly right call earns part), then ``1 - call_credit`` x the
+answer against the true product. The task is to use the calculator: an answer given without a
+call scores 0 (otherwise a policy from random init settles on guessing digits of products, a local
+optimum next to a tool it has not yet found). A tiny model cannot learn to multiply two-digit
+numbers in a few minutes; it can learn to copy the expression into a call and the tool's result
+into its answer, so what it reaches comes from the environment's turn: without that turn
+(``max_turns: 1``) it can earn ``call_credit`` at most.
+
+Use with ``task.name: calc`` (examples with ``prompt``, ``expression``, ``answer``) or any dataset
+whose rows have those columns.
+"""
+
+from __future__ import annotations
+
+from rltpu.data.rewards import partial_credit
+
+MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products cost nothing)
+
+
+def evaluate(expression: str) -> int | None:
+    """Integers joined by '*' (no ``eval``); None when it is anything else."""
+    parts = expression.split("*")
+    if len(expression) > MAX_CALL_CHARS or not all(p.isdigit() for p in parts):
+        return None
+    out = 1
+    for p in parts:
+        out *= int(p)
+    return out
+
+
+class Calculator:
+    observation_role = "tool"
+
+    def __init__(self, call_credit: float = 0.2):
+        if not 0 <= call_credit < 1:
+            raise ValueError(f"call_credit={call_credit} must be in [0, 1)")
+        self.call_credit = float(call_credit)
+        self.example: dict = {}
+        self.called = False
+
+    def reset(self, example: dict) -> str:
+        self.example, self.called = example, False
+        return example["prompt"]
+
+    def step(self, messages: list[dict], completion: str) -> tuple[str | None, float, bool]:
+        if completion.startswith("<") and not self.called:
+            self.called = True
+            expression = completion[1:]
+            reward = self.call_credit * partial_credit(expression, {"answer": self.example["expression"]})
+            result = evaluate(expression)
+            return ("" if result is None else str(result)) + "=", reward, False
+        if not self.called:
+            return None, 0.0, True
+        return None, (1 - self.call_credit) * partial_credit(completion, {"answer": self.example["answer"]}), True
