@@ -255,3 +255,45 @@ def test_cli_env_errors_are_one_line_exit_2_before_ray(args, msg, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and msg in lines[0]
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_env_pool_replaces_a_dead_worker_and_keeps_live_ones():
+    """``EnvPool.replace_dead`` pings every worker; one whose ping fails is killed and respawned
+    with the next incarnation, the others are kept (a fake Ray: the same calls the pool makes)."""
+    from rltpu.control.environments import EnvPool
+
+    class Ref:
+        def __init__(self, ok):
+            self.ok = ok
+
+    class Handle:
+        def __init__(self, rank, inc, alive=True):
+            self.rank, self.inc, self.alive = rank, inc, alive
+            self.ping = type("M", (), {"remote": lambda _s: Ref(self.alive)})()
+
+    class FakeRay:
+        killed = []
+
+        def wait(self, refs, num_returns, timeout):
+            return refs, []
+
+        def get(self, ref, timeout=None):
+            if not ref.ok:
+                raise RuntimeError("ActorDiedError")
+            return 1
+
+        def kill(self, h, no_restart=True):
+            self.killed.append((h.rank, h.inc))
+
+    class Pool(EnvPool):
+        def _spawn(self, rank):
+            return Handle(rank, self.incarnation[rank])
+
+    pool = Pool(FakeRay(), RunConfig(), 3)
+    pool.start()
+    assert pool.replace_dead() is False and pool.replaced == 0
+    pool.handles[1].alive = False
+    keep = pool.handles[0], pool.handles[2]
+    assert pool.replace_dead() is True
+    assert FakeRay.killed == [(1, 0)] and pool.handles[1].inc == 1 and pool.replaced == 1
+    assert (pool.handles[0], pool.handles[2]) == keep
