@@ -297,3 +297,23 @@ def test_env_pool_replaces_a_dead_worker_and_keeps_live_ones():
     assert pool.replace_dead() is True
     assert FakeRay.killed == [(1, 0)] and pool.handles[1].inc == 1 and pool.replaced == 1
     assert (pool.handles[0], pool.handles[2]) == keep
+
+
+def test_a_failed_reset_or_a_too_long_prompt_fails_its_row_only():
+    class Picky(Chatty):
+        def reset(self, example):
+            if example["id"] == 1:
+                raise ValueError("no such task")
+            return "1" * (40 if example["id"] == 2 else 3)
+
+        def step(self, messages, completion):
+            return None, 0.5, True
+
+    exs = [{"id": i} for i in range(3)]
+    generate, calls = _fake_generate({0: [TOK.eos_id]}, [4])
+    out = run_episodes(generate, [Picky() for _ in range(6)], Renderer(TOK), exs, 2, 0, 2, 8, 32, direct_call)
+    assert out["reward_kinds"] == ["ok", "ok", "error", "error", "error", "error"]
+    assert "ValueError: no such task" in out["reward_details"][2] and "41 tokens" in out["reward_details"][4]
+    assert calls[0][0] == [TOK.encode("111")] * 2 and calls[0][1] == 1  # only the playable rows sample
+    np.testing.assert_array_equal(out["rewards"], [0.5, 0.5, 0, 0, 0, 0])
+    assert (out["prompt_mask"].sum(1) >= 1).all() and (out["lengths"][2:] == 0).all()

@@ -145,7 +145,8 @@ class Controller:
         self.supervisor.start()
         # CPU-only reward workers: their processes start while the chip actors build
         self.rewards = RewardPool(self.cfg.task, RayRewardWorkers(ray, self.cfg.task), self.run_dir,
-                                  startup_s=d.identity)
+                                  startup_s=d.identity,
+                                  label=f"env.path {self.cfg.env.path}" if self.cfg.env is not None else None)
         self.rewards.start()
         if self.cfg.env is not None:
             self.envs = EnvPool(ray, self.cfg, len(g.samplers))

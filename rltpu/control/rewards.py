@@ -117,9 +117,13 @@ class RewardBatch:
 
 class RewardPool:
     def __init__(self, task_cfg, workers, run_dir: Path | None = None, clock: Callable[[], float] = time.monotonic,
-                 startup_s: float = 300.0, log: Callable[[str], None] | None = None, grace_s: float = GRACE_S):
+                 startup_s: float = 300.0, log: Callable[[str], None] | None = None, grace_s: float = GRACE_S,
+                 label: str | None = None):
         """``workers``: ``RayRewardWorkers`` or a fake; ``startup_s`` is added to the first chunk's
-        deadline of a worker not yet heard from (its process start and imports)."""
+        deadline of a worker not yet heard from (its process start and imports); ``label`` names
+        what is scored in warnings and the stop line (default ``task.reward_fn <path>``; an
+        environment's episodes: ``env.path <path>``)."""
+        self.label = label or f"task.reward_fn {task_cfg.reward_fn}"
         self.task, self.workers, self.clock, self.startup_s = task_cfg, workers, clock, startup_s
         self.grace_s = grace_s
         self.failures_path = Path(run_dir) / "reward_failures.jsonl" if run_dir is not None else None
@@ -272,7 +276,7 @@ class RewardPool:
             kind = next(k for k, v in self._failed.items() if v)
             ex_id, detail = self._failed[kind][0]
             raise RewardFailureError(
-                f"task.reward_fn {t.reward_fn} failed on {failed} of {calls} calls at step {self.step} "
+                f"{self.label} failed on {failed} of {calls} calls at step {self.step} "
                 f"({', '.join(parts)}; first: {detail} on example id={ex_id!r}), more than "
                 f"task.reward_max_failure_frac={t.reward_max_failure_frac:g}; fix the function, or raise "
                 f"task.reward_timeout_s / task.reward_max_failure_frac")
@@ -283,7 +287,7 @@ class RewardPool:
         for kind, failed in self._failed.items():
             if failed:
                 ids = ", ".join(repr(i) for i, _ in failed[:5]) + (", ..." if len(failed) > 5 else "")
-                self.log(f"rltpu: warning: step {self.step}: task.reward_fn {t.reward_fn} {KINDS[kind][1]} on "
+                self.log(f"rltpu: warning: step {self.step}: {self.label} {KINDS[kind][1]} on "
                          f"{len(failed)} of {self._step['reward_calls']} calls (example ids {ids}; first: "
                          f"{failed[0][1]}); scored task.reward_default={t.reward_default:g}"
                          + (f"; all in {self.failures_path.name}" if self.failures_path else ""))

@@ -96,11 +96,16 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
     prompts: list[list[int]] = [[] for _ in range(R)]
     done = np.zeros(R, bool)
     for r, (value, kind, detail) in enumerate(resets):
-        if kind != "ok":
-            kinds[r], details[r], done[r] = kind, f"reset: {detail}", True
+        if kind != "ok":  # one attended pad token: a row with nothing to attend would give NaN logits
+            kinds[r], details[r], done[r], prompts[r] = kind, f"reset: {detail}", True, [renderer.tok.pad_id]
             continue
         messages[r] = value
         prompts[r] = renderer.prompt(value)
+        if len(prompts[r]) > max_context:  # the sampler would refuse the whole shard: fail this row only
+            kinds[r], done[r] = "error", True
+            details[r] = (f"reset: the first prompt is {len(prompts[r])} tokens, over the largest "
+                          f"sampler.prompt_buckets entry {max_context}; add a larger bucket")
+            prompts[r] = prompts[r][-max_context:]
     ids: list[list[int]] = [[] for _ in range(R)]
     mask: list[list[int]] = [[] for _ in range(R)]
     logp: list[list[float]] = [[] for _ in range(R)]
