@@ -704,9 +704,6 @@ def _check_env(cfg: "RunConfig") -> None:
     if cfg.trainer.algorithm == "ppo":
         raise ValueError("env with trainer.algorithm=ppo is not supported (GAE would run across the "
                          "environment's masked tokens); use grpo, drgrpo, rloo or reinforce_pp")
-    if cfg.eval is not None:
-        raise ValueError("env with an eval section is not supported yet (evaluation scores single completions "
-                         "with task.reward_fn); remove eval or env")
     if cfg.placement.mode == "colocated":
         raise ValueError("env with placement.mode=colocated is not supported yet; use disaggregated")
     if cfg.env.max_tokens < cfg.sampler.max_new_tokens:

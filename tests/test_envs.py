@@ -317,3 +317,24 @@ def test_a_failed_reset_or_a_too_long_prompt_fails_its_row_only():
     assert calls[0][0] == [TOK.encode("111")] * 2 and calls[0][1] == 1  # only the playable rows sample
     np.testing.assert_array_equal(out["rewards"], [0.5, 0.5, 0, 0, 0, 0])
     assert (out["prompt_mask"].sum(1) >= 1).all() and (out["lengths"][2:] == 0).all()
+
+
+def test_eval_plays_episodes_of_the_held_out_examples(tmp_path):
+    """With env, evaluation hands the examples (not prompt ids) to the samplers' episode path and
+    scores each row by its return."""
+    from rltpu.config import EvalConfig
+    from rltpu.control.evaluation import Evaluator
+
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "?", "secret": 3}\n{"prompt": "?", "secret": 7}\n')
+    tok = CharTokenizer(TASK_ALPHABET["guess"])
+    ev = Evaluator(EvalConfig(dataset=str(held), samples=2, k=1), SamplerConfig(), tok, seed=0, episodes=True)
+    seen = []
+
+    def generate(inputs, n, greedy, seed):
+        seen.append((inputs, n, greedy))
+        return {"rewards": np.array([1.0, 0.0][:len(inputs)] * n if greedy else [1.0, 1.0, 0.0, 1.0])}
+
+    out = ev.run(generate, lambda gen, exs: (gen["rewards"], 0), step=1)
+    assert [s[0][0]["secret"] for s in seen] == [3, 3] and [s[1:] for s in seen] == [(1, True), (2, False)]
+    assert out["eval/accuracy"] == 0.5 and out["eval/mean@k"] == 0.75 and out["eval/pass@k"] == 0.75

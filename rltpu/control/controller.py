@@ -81,7 +81,8 @@ class Controller:
         if cfg.env is not None:  # a bad path or kwargs fails here, before Ray starts
             make_env(load_env_class(cfg.env.path), cfg.env.kwargs)
         # held-out evaluation: its file is read and checked here, before Ray starts
-        self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed) if cfg.eval else None
+        self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed,
+                                   episodes=cfg.env is not None) if cfg.eval else None
         self.data = build_dataset(cfg, self.tokenizer)
         if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
             st = self.data.check_lengths(self.tokenizer, cfg.sampler)
@@ -626,10 +627,17 @@ class Controller:
         outs = []
         for i in range(0, len(pieces), len(samplers)):
             outs += self._generate(pieces[i:i + len(samplers)], n, seed + 1009 * i, greedy_eval=greedy)
-        return merge_generations(outs, self.tokenizer.pad_id)
+        gen = merge_generations(outs, self.tokenizer.pad_id)
+        if self.envs is not None:  # episodes arrive scored
+            gen["rewards"] = np.concatenate([o["rewards"] for o in outs])
+            gen["reward_kinds"] = [k for o in outs for k in o["reward_kinds"]]
+        return gen
 
     def _eval_score(self, gen: dict, examples: list[dict]) -> tuple[np.ndarray, int]:
-        """Scored by the reward workers like training rows, but not counted against the step."""
+        """Scored by the reward workers like training rows, but not counted against the step
+        (episodes: their returns, failed environment calls counted as failures)."""
+        if "rewards" in gen:
+            return gen["rewards"], sum(k != "ok" for k in gen["reward_kinds"])
         batch = self.rewards.submit(decode_completions(gen, self.tokenizer), examples)
         values = self.rewards.collect(batch, count=False)
         return values, sum(k != "ok" for k in batch.kinds)

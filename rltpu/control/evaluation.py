@@ -56,7 +56,9 @@ class Evaluator:
     """Owned by the controller (a part, like ``WeightSync``); knows the prompts and the arithmetic,
     and reaches samplers and reward workers only through the two callables ``run`` is given."""
 
-    def __init__(self, cfg, sampler_cfg, tokenizer, seed: int):
+    def __init__(self, cfg, sampler_cfg, tokenizer, seed: int, episodes: bool = False):
+        """``episodes`` (an ``env:`` run): the samplers' inputs are the examples themselves (the
+        environment's ``reset`` writes each first prompt) and a row's score is its episode return."""
         self.cfg = cfg
         if not Path(cfg.dataset).is_file():
             raise DatasetError(f"eval.dataset {cfg.dataset!r} does not exist; point it at a held-out "
@@ -65,8 +67,11 @@ class Evaluator:
             data = PromptDataset.from_file(cfg.dataset, seed, False, tokenizer, cfg.prompt_key, cfg.messages_key)
             rows = range(min(len(data), cfg.max_prompts or len(data)))
             self.examples = [data.example(i) for i in rows]
-            self.prompt_ids = [data.encode(e, tokenizer) for e in self.examples]
-            check_prompt_lengths(self.prompt_ids, self.examples, sampler_cfg)
+            if episodes:
+                self.prompt_ids = self.examples
+            else:
+                self.prompt_ids = [data.encode(e, tokenizer) for e in self.examples]
+                check_prompt_lengths(self.prompt_ids, self.examples, sampler_cfg)
         except DatasetError as err:
             raise DatasetError(f"eval.dataset: {err}") from None
         if not self.examples:
