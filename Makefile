@@ -12,13 +12,15 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU build first (an unpinned torch would pull a multi-GB CUDA build)
+# One pip resolve for everything (each extra pip run resolves and checks every installed package again).
+# torch==2.13.0 is pinned in pyproject.toml, so no unpinned (multi-GB CUDA) build is pulled. pip is upgraded
+# first: the venv's bundled pip (23.x) ignores this machine's file:// extra indexes, with a warning per package.
+# loggers: the TensorBoard/W&B/MLflow tests run in CI; tpu: TorchTPU + libtpu import on CPU (no device) and
+# tests compare its launch env.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,hf,data,loggers]'  # loggers: the TensorBoard/W&B/MLflow tests run in CI
-	$(PY) -m pip install --quiet -e '.[tpu]'  # TorchTPU + libtpu: imports on CPU (no device), tests compare its launch env
+	$(PY) -m pip install --quiet -e '.[test,hf,data,loggers,tpu]'
 	touch $@
 
 demo: setup
@@ -27,6 +29,7 @@ demo: setup
 test: setup browser
 	$(PY) -m pytest -q --durations=25  # the slowest tests, printed for whoever shortens CI next
 
+# `make -j2 test` (.ci/run) installs the venv and Chromium side by side (network and unpacking, not CPU).
 # tests/test_plan.py opens the plan's HTML report in headless Chromium. CI is a fresh machine
 # running as root: install the Debian package there; elsewhere (or offline) the test skips.
 browser:
