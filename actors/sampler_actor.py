@@ -60,7 +60,7 @@ class SamplerActor:
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
             self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
-                                        devices=self._devices())
+                                        devices=self._devices(), lora=self.cfg.trainer.lora)
             return self.engine.precompile() if self.cfg.sampler.precompile else []
 
     def _devices(self):
@@ -81,14 +81,17 @@ class SamplerActor:
         with self.hb.phase("join_sync"):
             return self.rt.join_sync(*args)
 
-    def receive_weights(self, version: int) -> dict:
+    def receive_weights(self, version: int, spec=None) -> dict:
         """Stage version ``version`` beside the live one; publish only after every sampler verified
-        every bucket. On any failure the live version stays and the error propagates."""
+        every bucket. On any failure the live version stays and the error propagates. ``spec``: what
+        this sync carries (default: the full spec from ``build``; LoRA's later syncs: the adapters)."""
+        from rltpu.models.spec import is_adapter
         from rltpu.sync.collective import count_zero_copy, device_put_params, receive_staged, torch_to_jax
 
+        spec = self.spec if spec is None else spec
         with self.hb.phase("syncing"):
             try:
-                tensors, stats = receive_staged(self.rt.fabric, self.spec, version,
+                tensors, stats = receive_staged(self.rt.fabric, spec, version,
                                                 int(self.cfg.sync.bucket_mb * 2**20), self.cfg.sync.wire_dtype,
                                                 trainer_tp=self.cfg.placement.chips_per_trainer)
             except Exception:
@@ -103,8 +106,12 @@ class SamplerActor:
             else:  # emulated: JAX on CPU adopts the aligned host buffers through DLPack
                 params, put = torch_to_jax(tensors), 0
                 zero = count_zero_copy(tensors, params)
-            self.engine.set_params(params, version)  # the swap: generation runs between actor calls
-        return stats | {"zero_copy": zero, "tensors": len(tensors), "device_put_bytes": put}
+            if spec and all(is_adapter(n) for n, _, _ in spec):
+                self.engine.set_adapters(params, version)  # LoRA: over the base already held
+            else:
+                self.engine.set_params(params, version)  # the swap: generation runs between actor calls
+        return stats | {"zero_copy": zero, "tensors": len(tensors), "device_put_bytes": put,
+                        "adapter_only": bool(spec) and all(is_adapter(n) for n, _, _ in spec)}
 
     def weight_version(self) -> int:
         return self.engine.version if self.engine else -1

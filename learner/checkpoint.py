@@ -311,7 +311,7 @@ def latest_valid(directory: Path, keep: int = 8, warn=None) -> Path | None:
 
 
 def is_sharded(directory: Path) -> bool:
-    return (Path(directory) / "model.index.json").is_file()
+    return any((Path(directory) / f"{p}.index.json").is_file() for p in ("model", "adapters"))
 
 
 def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
@@ -340,7 +340,8 @@ def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
         return {"state": state, "param_groups": groups}
 
     extra_groups = meta.pop("extra_param_groups", {})
-    model_sd, optim_sd = tensors("model"), optim("optimizer", meta.pop("optimizer_param_groups", []))
+    policy = "adapters" if (directory / "adapters.index.json").is_file() else "model"  # LoRA: adapters only
+    model_sd, optim_sd = tensors(policy), optim("optimizer", meta.pop("optimizer_param_groups", []))
     meta["extra"] = {name: (tensors(name), optim(f"{name}_optimizer", groups)) for name, groups in extra_groups.items()}
     return model_sd, optim_sd, meta
 
@@ -349,14 +350,25 @@ def load_checkpoint(directory: Path) -> tuple[dict, dict, dict]:
 
 
 def _modules(engine) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
-    out = [("model", engine.model, engine.optimizer)]
+    # LoRA: the part is the adapters alone (the frozen base is model.path or the seeded init, never copied)
+    out = [("adapters" if getattr(engine, "lora", None) is not None else "model", engine.model, engine.optimizer)]
     if engine.critic is not None:
         out.append(("critic", engine.critic, engine.critic_optimizer))
     return out
 
 
 def _optim_part(name: str) -> str:
-    return "optimizer" if name == "model" else f"{name}_optimizer"
+    return "optimizer" if name in ("model", "adapters") else f"{name}_optimizer"
+
+
+def _policy_state(name: str, module: torch.nn.Module) -> dict:
+    """The policy part's sharded state dict: everything, or (``adapters``) the LoRA tensors only."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from rltpu.models.spec import is_adapter
+
+    sd = get_model_state_dict(module)  # sharded: this rank's DTensor shards, no copy
+    return {k: v for k, v in sd.items() if is_adapter(k)} if name == "adapters" else sd
 
 
 def save_engine(engine, directory: Path, meta: dict, keep: int = 1, group=None) -> Path:
@@ -366,14 +378,15 @@ def save_engine(engine, directory: Path, meta: dict, keep: int = 1, group=None) 
 
     parts, groups = {}, {}
     for name, module, optim in _modules(engine):
-        parts[name] = get_model_state_dict(module)  # sharded: this rank's DTensor shards, no copy
+        parts[name] = _policy_state(name, module) if name in ("model", "adapters") else get_model_state_dict(module)
         osd = get_optimizer_state_dict(module, optim)
         parts[_optim_part(name)] = {"state": osd["state"]}
         groups[name] = osd["param_groups"]
     meta = dict(meta, trainer_step=engine.step, scheduler=engine.scheduler.state_dict(),
                 critic_scheduler=engine.critic_scheduler.state_dict() if engine.critic is not None else None,
                 rng={"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()},
-                optimizer_param_groups=groups.pop("model"), extra_param_groups=groups)
+                optimizer_param_groups=groups.pop(_modules(engine)[0][0]), extra_param_groups=groups,
+                lora=engine.lora.model_dump(mode="json") if getattr(engine, "lora", None) is not None else None)
     return save_checkpoint(directory, parts, meta, keep, _group_of(engine, group))
 
 
@@ -395,7 +408,8 @@ def load_engine(engine, directory: Path, group=None) -> dict:
     the checkpoint (resharded to this mesh), restore step, schedulers and RNG; returns the JSON meta."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict)
 
     directory = Path(directory)
     meta = json.loads((directory / STATE_FILE).read_text())  # the driver verified the checksums
@@ -405,12 +419,18 @@ def load_engine(engine, directory: Path, group=None) -> dict:
     extra_groups = meta.get("extra_param_groups") or {}
     if engine.critic is not None and "critic" not in extra_groups:
         raise ValueError(f"checkpoint {directory} has no critic (critic.index.json) but trainer.algorithm=ppo needs one")
-    groups = {"model": meta["optimizer_param_groups"], **extra_groups}
+    first = _modules(engine)[0][0]
+    parts = (meta.get("layout") or {}).get("parts") or []
+    if (first == "adapters") != ("adapters" in parts):
+        raise ValueError(f"checkpoint {directory} holds {'LoRA adapters' if 'adapters' in parts else 'a full model'} "
+                         f"but this run {'sets' if first == 'adapters' else 'does not set'} trainer.lora; resume "
+                         f"with the config that wrote it")
+    groups = {first: meta["optimizer_param_groups"], **extra_groups}
     for name, module, optim in _modules(engine):
-        msd = get_model_state_dict(module)
+        msd = _policy_state(name, module) if name in ("model", "adapters") else get_model_state_dict(module)
         with _quiet(group):
             dcp.load(msd, storage_reader=SafetensorsReader(directory, name), process_group=group, no_dist=group is None)
-        set_model_state_dict(module, msd)
+        set_model_state_dict(module, msd, options=StateDictOptions(strict=name != "adapters"))
         _zero_adam_state(optim)
         osd = get_optimizer_state_dict(module, optim)
         state = {"state": osd["state"]}

@@ -39,9 +39,15 @@ class TrainerEngine:
         # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
         # identical on every rank (same seed)
         state = None if model_cfg.path else init_state_dict(model_cfg, vocab_size, seed)
-        self.model = self._build(model_cfg, vocab_size, state)
+        self.lora = trainer_cfg.lora  # LoRA: adapters train on a frozen base (learner/lora.py)
+        self.model = self._build(model_cfg, vocab_size, state, lora=self.lora)
+        if self.lora is not None:
+            from learner.lora import init_adapters
+
+            init_adapters(self.model, seed)  # B = 0: the policy starts equal to the base
         self.ref_model = None
-        if trainer_cfg.kl_coef > 0:
+        self.has_reference = trainer_cfg.kl_coef > 0
+        if self.has_reference and self.lora is None:  # with LoRA the reference is the base: adapters off
             self.ref_model = self._build(model_cfg, vocab_size, state)
             self.ref_model.requires_grad_(False)
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
@@ -66,14 +72,21 @@ class TrainerEngine:
                 load_backbone_from_checkpoint(self.critic, model_cfg)
             self.critic_optimizer, self.critic_scheduler = build_optimizer(self.critic, critic_cfg)
 
-    def _build(self, model_cfg, vocab_size, state):
+    def _build(self, model_cfg, vocab_size, state, lora=None):
+        prepare = None
+        if lora is not None:
+            from learner.lora import add_lora
+
+            prepare = lambda m: add_lora(m, lora)  # noqa: E731  (before FSDP2 wraps the layers)
         if state is None:
             from rltpu.models.hf.load import build_policy
 
             shard = (lambda m: self._parallelize(m)) if self.mesh is not None else None
-            return build_policy(model_cfg, vocab_size, shard, self.device)
+            return build_policy(model_cfg, vocab_size, shard, self.device, prepare)
         model = LlamaForCausalLM(model_cfg, vocab_size)
         model.load_state_dict(state)
+        if prepare is not None:
+            prepare(model)
         model.to(self.device)
         if self.mesh is not None:
             self._parallelize(model)
@@ -126,12 +139,12 @@ class TrainerEngine:
         c = self.cfg
         b = self._tensors(batch)
         old_logp = b["recomputed_old"][:, 1:] if "recomputed_old" in b else None
+        ref = None
+        if self.has_reference and not c.kl_in_reward:  # before the policy's forward: no graph in between
+            with torch.no_grad(), self._autocast(), self._reference() as ref_model:
+                ref = self._policy_logp(ref_model, b)
         with self._autocast():
             logp, entropy = self._policy_logp(self.model, b, with_entropy=True)
-        ref = None
-        if self.ref_model is not None and not c.kl_in_reward:
-            with torch.no_grad(), self._autocast():
-                ref = self._policy_logp(self.ref_model, b)
         mask = b["loss_mask"][:, 1:]
         sampler_logp = b["old_logprobs"][:, 1:]
         scale = LossScale(tokens=float(batch["global_tokens"]), seqs=float(batch["global_seqs"]),
@@ -154,10 +167,20 @@ class TrainerEngine:
     def logprobs(self, batch: dict, reference: bool = False) -> np.ndarray:
         """Per-token logprobs (R, L) aligned with ``batch["tokens"]`` (0 where not computed), from the
         policy or the frozen reference; for KL in the reward and old-logprob recomputation."""
-        model = self.ref_model if reference else self.model
-        if model is None:
+        if not reference:
+            return self._per_token(batch, lambda b: self._policy_logp(self.model, b))
+        if not self.has_reference:
             raise RuntimeError("no reference model: set trainer.kl_coef > 0")
-        return self._per_token(batch, lambda b: self._policy_logp(model, b))
+        with self._reference() as model:
+            return self._per_token(batch, lambda b: self._policy_logp(model, b))
+
+    def _reference(self):
+        """The frozen reference policy: its own copy, or with LoRA the base itself (adapters off)."""
+        if self.lora is not None:
+            from learner.lora import adapters_off
+
+            return adapters_off(self.model)
+        return contextlib.nullcontext(self.ref_model)
 
     @torch.no_grad()
     def values(self, batch: dict) -> np.ndarray:

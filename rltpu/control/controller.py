@@ -90,7 +90,7 @@ class Controller:
                   f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} (min/mean/max)"
                   f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}",
                   file=sys.stderr, flush=True)
-        self.spec = param_spec(cfg.model, self.vocab)
+        self.spec = param_spec(cfg.model, self.vocab, cfg.trainer.lora)  # LoRA: base + adapters
         if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
             from rltpu.models.hf.weights import CheckpointDir
 

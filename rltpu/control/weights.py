@@ -14,7 +14,7 @@ import numpy as np
 
 from rltpu.chips.topology import Role
 from rltpu.control.placement import ActorGroups
-from rltpu.sync.collective import WeightSyncError
+from rltpu.sync.collective import WeightSyncError, adapter_spec
 
 
 class WeightSync:
@@ -27,6 +27,10 @@ class WeightSync:
         self.store: tuple[str, int] | None = None  # trainer 0's TCPStore (host, port)
         self.generation = 0
         self.sampler_versions: list[int] = []
+        # LoRA: after a full sync only the adapters move; every new generation (start, a replaced
+        # sampler) starts with a full one, so a late joiner gets the base once, then adapters
+        self.adapters = adapter_spec(spec)
+        self.need_full = True
 
     def _get(self, refs, phase: str, what: str):
         if self.deadlines is None:
@@ -49,6 +53,7 @@ class WeightSync:
             self.sampler_versions = [-1] * len(g.samplers)
         if self.colocated:  # weights pass in-process: no sync fabric to build
             return
+        self.need_full = True
         self.generation += 1
         t_sl = [chips[0].slice for chips in self.roles[Role.TRAINER]]
         s_sl = [chips[0].slice for chips in self.roles[Role.SAMPLER]]
@@ -62,8 +67,9 @@ class WeightSync:
         if self.colocated:
             return self._publish_local(version, t0)
         g = self.groups
-        refs = [t.push_weights.remote(self.spec, version) for t in g.trainers]
-        refs += [s.receive_weights.remote(version) for s in g.samplers]
+        spec = self.spec if self.need_full or not self.adapters else self.adapters
+        refs = [t.push_weights.remote(spec, version) for t in g.trainers]
+        refs += [s.receive_weights.remote(version, spec) for s in g.samplers]
         try:
             out = self.ray.get(refs)
         except Exception as e:
@@ -79,7 +85,9 @@ class WeightSync:
                 f"{self.sampler_versions} (alive: {alive}); replace dead samplers and join again") from e
         sent, received = out[: len(g.trainers)], out[len(g.trainers):]
         self.sampler_versions = [int(r["version"]) for r in received]
+        self.need_full = False
         return {"seconds": time.perf_counter() - t0, "bytes": sum(x["bytes"] for x in sent),
+                "adapter_only": spec is self.adapters,
                 "buckets": sum(x["buckets"] for x in sent),
                 # the route each received byte took: host (loopback on one host), DCN between hosts;
                 # ICI never carries bytes between a torch trainer and a JAX sampler

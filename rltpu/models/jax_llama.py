@@ -50,6 +50,17 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w)
 
 
+def _proj(params: Params, module: str, x: jax.Array) -> jax.Array:
+    """``module``'s linear; with LoRA adapters in ``params`` (``sampler_apply: lowrank``) plus the
+    low-rank term ``(x A^T) B^T``, B already scaled by alpha / rank. Which keys exist is fixed per
+    compiled program, so new adapter values never recompile."""
+    y = _linear(x, params[module + ".weight"])
+    a = params.get(module + ".lora_A.weight")
+    if a is not None:
+        y = y + _linear(_linear(x, a), params[module + ".lora_B.weight"])
+    return y
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) * w, reduced in fp32, result in x's dtype times w."""
     xf = x.astype(_F32)
@@ -98,7 +109,7 @@ def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array,
     hd = cfg.head_dim
 
     def proj(name: str, heads: int) -> jax.Array:
-        y = _linear(h, params[p + name + ".weight"])
+        y = _proj(params, p + name, h)
         if cfg.attention_bias:
             y = y + params[p + name + ".bias"]
         return y.reshape(B, T, heads, hd)
@@ -113,16 +124,16 @@ def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array,
 
 def _out_proj(params: Params, cfg: ModelConfig, i: int, att: jax.Array) -> jax.Array:
     p = f"model.layers.{i}.self_attn.o_proj."
-    y = _linear(att, params[p + "weight"])
+    y = _proj(params, p[:-1], att)
     return y + params[p + "bias"] if cfg.attention_out_bias else y
 
 
 def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Array:
     p = f"model.layers.{i}."
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gate = _linear(h, params[p + "mlp.gate_proj.weight"])
-    up = _linear(h, params[p + "mlp.up_proj.weight"])
-    return x + _linear(jax.nn.silu(gate) * up, params[p + "mlp.down_proj.weight"])
+    gate = _proj(params, p + "mlp.gate_proj", h)
+    up = _proj(params, p + "mlp.up_proj", h)
+    return x + _proj(params, p + "mlp.down_proj", jax.nn.silu(gate) * up)
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:

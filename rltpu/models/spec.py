@@ -58,6 +58,28 @@ def param_shapes(cfg: "ModelConfig", vocab_size: int | None = None) -> dict[str,
     return shapes
 
 
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter tensor (``<module>.lora_A.weight`` / ``.lora_B.weight``), not a base weight."""
+    return name.endswith(LORA_SUFFIXES)
+
+
+def lora_shapes(cfg: "ModelConfig", lora: Any, vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Adapter name -> shape for ``lora`` (a ``LoraConfig``): per targeted projection ``W [out, in]``,
+    ``lora_A [rank, in]`` and ``lora_B [out, rank]`` (PEFT's names and layout), in state-dict order."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in param_shapes(cfg, vocab_size).items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if module.rsplit(".", 1)[-1] in lora.target_modules:
+            out[module + ".lora_A.weight"] = (lora.rank, shape[1])
+            out[module + ".lora_B.weight"] = (shape[0], lora.rank)
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None):
     """RoPE inverse frequencies [head_dim / 2] as float32 numpy, with ``scaling`` (a ``RopeScaling``).
@@ -87,4 +109,4 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None):
     return np.where(medium, smoothed, scaled).astype(f32)
 
 
-__all__ = ["param_shapes", "resolve_vocab_size", "rope_inv_freq"]
+__all__ = ["is_adapter", "lora_shapes", "param_shapes", "resolve_vocab_size", "rope_inv_freq"]

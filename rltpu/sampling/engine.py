@@ -71,8 +71,16 @@ class SamplerEngine:
     the KV cache is split by kv heads, and every program is compiled for the mesh."""
 
     def __init__(self, model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict,
-                 devices=None):
+                 devices=None, lora=None):
+        """``lora`` (a ``LoraConfig``; ``param_shapes`` then lists the adapters too): the engine keeps
+        the base once and applies the adapters as ``lora.sampler_apply`` says (``SamplerAdapters``)."""
         self.mcfg, self.cfg = model_cfg, sampler_cfg
+        self.adapters = None
+        if lora is not None:
+            from rltpu.sampling.lora import SamplerAdapters
+
+            self.adapters = SamplerAdapters(lora, param_shapes)
+            param_shapes = self.adapters.program_shapes()
         self.vocab_size, self.pad_id, self.eos_id = vocab_size, pad_id, eos_id
         self.stop_ids = tuple(dict.fromkeys((eos_id, *sampler_cfg.stop_token_ids)))
         self.dtype = jnp.bfloat16 if model_cfg.dtype == "bfloat16" else jnp.float32
@@ -107,6 +115,19 @@ class SamplerEngine:
 
     # -- weights -----------------------------------------------------------------------------
     def set_params(self, params: dict, version: int) -> None:
+        """A full set of weights (with LoRA: the base and the adapters)."""
+        if self.adapters is not None:
+            params = self.adapters.set_full(params)
+        self._set(params, version)
+
+    def set_adapters(self, adapters: dict, version: int) -> None:
+        """LoRA: new adapter values over the base this engine already holds; the compiled programs'
+        inputs keep their names and shapes, so nothing recompiles."""
+        if self.adapters is None:
+            raise ValueError("this sampler was built without trainer.lora; it takes full weights only")
+        self._set(self.adapters.set_adapters(adapters), version)
+
+    def _set(self, params: dict, version: int) -> None:
         missing = set(self.param_structs) - set(params)
         if missing:
             raise ValueError(f"weights for version {version} lack {sorted(missing)[:3]}")

@@ -53,12 +53,23 @@ class WeightSyncError(RuntimeError):
     """A sync that did not publish: handshake mismatch, checksum failure, dead or slow peer."""
 
 
-def param_spec(model_cfg, vocab_size: int) -> ParamSpec:
+def param_spec(model_cfg, vocab_size: int, lora=None) -> ParamSpec:
     """Names, shapes and dtypes of the policy, in state-dict order (every parameter is in
-    ``model.dtype``)."""
-    from rltpu.models.spec import param_shapes
+    ``model.dtype``); with ``lora`` (a ``LoraConfig``) the adapters follow the base: a full sync."""
+    from rltpu.models.spec import lora_shapes, param_shapes
 
-    return [(k, tuple(shape), model_cfg.dtype) for k, shape in param_shapes(model_cfg, vocab_size).items()]
+    shapes = param_shapes(model_cfg, vocab_size)
+    if lora is not None:
+        shapes |= lora_shapes(model_cfg, lora, vocab_size)
+    return [(k, tuple(shape), model_cfg.dtype) for k, shape in shapes.items()]
+
+
+def adapter_spec(spec: ParamSpec) -> ParamSpec:
+    """The LoRA adapters of ``spec``: what a sync after the first moves (the base never changes).
+    The handshake's digest covers it like any spec, so both ends agree on the adapter layout."""
+    from rltpu.models.spec import is_adapter
+
+    return [e for e in spec if is_adapter(e[0])]
 
 
 def spec_digest(spec: ParamSpec) -> int:

@@ -74,13 +74,16 @@ def load_policy_weights(model, cfg, vocab_size: int | None = None) -> dict:
     own block; cast to the parameter dtype. Returns {"tensors", "bytes_read"}."""
     ckpt = CheckpointDir(cfg.path)
     ckpt.check(cfg, vocab_size)
-    params = dict(model.named_parameters())
+    from rltpu.models.spec import is_adapter
+
+    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # LoRA adapters: not in the file
     return {"tensors": len(params), "bytes_read": stream_into(params, ckpt)}
 
 
-def build_policy(cfg, vocab_size: int, parallelize=None, device: str = "cpu"):
-    """The trainer's policy loaded from ``cfg.path``: meta build -> ``parallelize(model)`` (e.g.
-    ``parallelize_llama``: TP, then FSDP2) -> ``to_empty`` -> each rank streams in its shard."""
+def build_policy(cfg, vocab_size: int, parallelize=None, device: str = "cpu", prepare=None):
+    """The trainer's policy loaded from ``cfg.path``: meta build -> ``prepare(model)`` (e.g. LoRA's
+    adapters) -> ``parallelize(model)`` (e.g. ``parallelize_llama``: TP, then FSDP2) -> ``to_empty``
+    -> each rank streams in its shard."""
     import torch
 
     from rltpu.models.torch_llama import LlamaForCausalLM
@@ -88,6 +91,8 @@ def build_policy(cfg, vocab_size: int, parallelize=None, device: str = "cpu"):
     CheckpointDir(cfg.path).check(cfg, vocab_size)  # fail on a bad file before any allocation
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, vocab_size)
+    if prepare is not None:
+        prepare(model)
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
