@@ -48,13 +48,13 @@ def status_restarts(text: str) -> dict[str, int]:
     head = next((i for i, ln in enumerate(lines) if ln.split()[:2] == ["group", "rank"]), None)
     if head is None:
         return {}
-    cols = lines[head].split()
+    assert lines[head].split()[-2:] == ["restarts", "state"], lines[head]
     out = {}
-    for ln in lines[head + 1:]:
+    for ln in lines[head + 1:]:  # a cell may hold spaces ('cpu/gloo (emulated)'): restarts is the next-to-last
         f = ln.split()
-        if len(f) != len(cols) or not f[-2].isdigit():
+        if len(f) < 4 or not f[1].isdigit() or not f[-2].isdigit():
             break
-        out[f"{f[0]}-{f[1]}"] = int(f[cols.index("restarts")])
+        out[f"{f[0]}-{f[1]}"] = int(f[-2])
     return out
 
 

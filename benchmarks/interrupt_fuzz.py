@@ -146,7 +146,14 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="default: benchmarks/results/single/interrupt_fuzz-<machine>-<date>.json")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--shard", default="0/1", help="K/N: run only the trials i with i %% N == K (same plan, delays "
+                    "and seed as the whole fuzz; pass the same --max-delay to every shard), for N processes at once")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                    help="measure nothing: merge the shards' JSON documents into --out")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
+    shard, shards = (int(x) for x in args.shard.split("/"))
     rng = random.Random(args.seed)
     A = bench_all()
     mach = A.machine()
@@ -156,7 +163,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="rltpu-fuzz-"))
     meta = {"benchmark": "interrupt_fuzz", "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": mach, **A.commit_info(), "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "loadavg_before": A.loadavg(), "base_dir": str(base)}
+            "loadavg_before": A.loadavg(), "base_dir": str(base), "shard": args.shard}
     load = A.LoadSampler(every=30.0)
     load.start()
     t0 = time.time()
@@ -171,15 +178,18 @@ def main() -> int:
     def document() -> dict:
         from collections import Counter
 
-        return {**meta, "trials_planned": len(plan), "trials": len(results),
+        return {**meta, "trials_planned": sum(i % shards == shard for i in range(len(plan))), "trials": len(results),
                 "clean": sum(not r["problems"] for r in results), "steps": args.steps,
                 "max_delay_s": round(max_delay, 1), "phases": sorted({r.get("phase", "?") for r in results}),
                 "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
                 "wall_s": round(time.time() - t0, 1), "loadavg_now": A.loadavg(), "load_during": load.summary(),
                 "results": results}
 
+    delays = [rng.uniform(1.0, max_delay) for _ in plan]  # drawn for the whole plan: a shard's trials are its own
     for i, (sig, progress) in enumerate(plan):
-        results.append(trial(i, sig, progress, rng.uniform(1.0, max_delay), args.steps, base))
+        if i % shards != shard:
+            continue
+        results.append(trial(i, sig, progress, delays[i], args.steps, base))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         out.write_text(json.dumps(document(), indent=1))
     load.stop.set()
@@ -192,6 +202,29 @@ def main() -> int:
 
         shutil.rmtree(base, ignore_errors=True)
     return 0 if clean == len(results) else 1
+
+
+def merge(args) -> int:
+    """One document from the shards' documents (trials sorted; counts recomputed)."""
+    from collections import Counter
+
+    docs = [json.loads(Path(f).read_text()) for f in args.merge]
+    results = sorted((r for d in docs for r in d["results"]), key=lambda r: r["trial"])
+    first = docs[0]
+    doc = {k: v for k, v in first.items() if k not in ("results", "shard", "base_dir", "command", "wall_s",
+                                                        "loadavg_now", "load_during", "trials_planned")}
+    doc |= {"shards": [{k: d.get(k) for k in ("shard", "command", "commit", "dirty", "base_dir", "started",
+                                               "wall_s", "loadavg_before", "loadavg_now", "load_during",
+                                               "trials_planned", "trials", "clean")} for d in docs],
+            "trials_planned": sum(d["trials_planned"] for d in docs), "trials": len(results),
+            "clean": sum(not r["problems"] for r in results),
+            "phases": sorted({r.get("phase", "?") for r in results}),
+            "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
+            "wall_s": max(d["wall_s"] for d in docs), "results": results}
+    print(json.dumps({k: v for k, v in doc.items() if k != "results"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0 if doc["clean"] == doc["trials"] == doc["trials_planned"] else 1
 
 
 if __name__ == "__main__":
