@@ -28,6 +28,14 @@ def _sum(values: list):
     return sum(vals) if vals else None
 
 
+def _mixed_versions(gen: dict) -> float:
+    v = np.asarray(gen["token_versions"])
+    played = v >= 0
+    hi = np.where(played, v, -1).max(axis=1)
+    lo = np.where(played, v, np.iinfo(v.dtype).max).min(axis=1)
+    return float(np.mean(played.any(axis=1) & (hi > lo)))
+
+
 @dataclass
 class StepTimes:
     t_step: float  # perf_counter at the step's start
@@ -73,6 +81,8 @@ def step_record(cfg: RunConfig, *, step: int, version: int, emulated: bool, gen:
         "env_truncated_frac": float(gen["truncated"].mean()) if "truncated" in gen else None,
         "policy_tokens_mean": float(gen["policy_mask"].sum(1).mean()) if "policy_mask" in gen else None,
         "env_s": max(o["env_seconds"] for o in outs) if "env_seconds" in outs[0] else None,
+        # async: episodes whose turns were sampled by different weight versions (a sync between turns)
+        "env_mixed_version_frac": _mixed_versions(gen) if "token_versions" in gen else None,
         "sample_s": times.sample_s, "train_s": times.train_s, "sync_s": sync["seconds"],
         "step_s": time.perf_counter() - times.t_step,
         # time each group spent in its own work (mean sampler over its generate calls; slowest

@@ -7,8 +7,8 @@
     environment  >
     policy       3        found: reward 1, the episode ends
 
-Reward 1 when the secret is found within the episode's turns, else 0. With ``max_turns: 4`` a
-binary search always finds it; without the environment's turn (``max_turns: 1``) no policy can
+Reward 1 when the secret is found within the episode's turns, else 0. A binary search finds it
+in at most 4 guesses (``configs/env_guess.yaml`` allows 5); without the environment's turn (``max_turns: 1``) no policy can
 do better than 1 in 10, so what the policy learns is to use the feedback.
 
 Use with ``task.name: guess`` (examples with ``prompt`` and ``secret``).
