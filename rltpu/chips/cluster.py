@@ -18,6 +18,7 @@ from rltpu.chips.topology import ChipTable, emulated_node_spec
 # defaults only: a user's own setting wins. RAY_AUTH_MODE is never set to "disabled" here (see ray_auth).
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 TOKEN_FILE = "ray_auth_token"  # in the run dir, mode 0600
+START_TRIES = 3  # ray.init of the embedded cluster, when its raylet misses Ray's 30 s registration window
 
 
 def user_has_token() -> bool:
@@ -144,11 +145,26 @@ def _start_or_join(ray, cluster_cfg, table: ChipTable, needed_chips: int, addres
             mode = "embedded"
         else:
             resources, labels = emulated_node_spec(table, *hosts[0])
-            ray.init(
-                address="local", num_cpus=os.cpu_count() or 2, resources=resources, labels=labels,
-                _temp_dir=temp_dir, include_dashboard=False, _node_ip_address=cluster_cfg.bind_host,
-                log_to_driver=True, logging_level="WARNING", configure_logging=True,
-            )
+            for attempt in range(1, START_TRIES + 1):
+                try:
+                    ray.init(
+                        address="local", num_cpus=os.cpu_count() or 2, resources=resources, labels=labels,
+                        _temp_dir=temp_dir, include_dashboard=False, _node_ip_address=cluster_cfg.bind_host,
+                        log_to_driver=True, logging_level="WARNING", configure_logging=True,
+                    )
+                    break
+                except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this one
+                    # Ray gives its raylet a fixed 30 s to register with the GCS; on an overloaded host (seen at
+                    # load 60 on 2 cores) it misses that and ray.init raises before connecting. The half-started
+                    # processes fate-share with this driver; a fresh try usually makes it.
+                    if "timed out during startup" not in str(err):
+                        raise
+                    if attempt == START_TRIES:
+                        raise TimeoutError(f"the embedded Ray cluster did not start in {START_TRIES} tries "
+                                           f"({str(err).splitlines()[0]}); is the machine overloaded? "
+                                           f"Ray's logs: {temp_dir}") from None
+                    print(f"rltpu: warning: the embedded Ray cluster did not start in time (try {attempt} of "
+                          f"{START_TRIES}; an overloaded machine?); trying again", file=sys.stderr, flush=True)
             mode = "embedded"
     have = int(ray.cluster_resources().get("TPU", 0))
     if needed_chips > have:
