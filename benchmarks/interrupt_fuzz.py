@@ -49,10 +49,13 @@ def bench_all():
     return mod
 
 
+EXTRA: list[str] = []  # overrides every run of the fuzz gets (--compile-cache)
+
+
 def launch(run_dir: Path, steps: int, progress: bool, resume: bool = False):
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", f"trainer.steps={steps}",
            f"progress={'true' if progress else 'false'}", "sync.verify_every=2", "checkpoint.every_steps=2",
-           *(["--resume"] if resume else [])]
+           *EXTRA, *(["--resume"] if resume else [])]
     if progress:  # a pseudo-terminal: the tqdm bar path, carriage returns and all
         master, slave = pty.openpty()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
@@ -79,13 +82,21 @@ def launch(run_dir: Path, steps: int, progress: bool, resume: bool = False):
     return proc, lambda: (out.seek(0), out.read())[1]
 
 
-def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path) -> dict:
+def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path, after_step: int = 0) -> dict:
+    """``after_step`` 0: the signal ``delay`` s after launch; k > 0: ``delay`` s after step k's metrics line."""
     run_dir = base / f"t{i}"
-    res = {"trial": i, "signal": signal.Signals(sig).name, "progress": progress, "delay_s": round(delay, 1)}
+    res = {"trial": i, "signal": signal.Signals(sig).name, "progress": progress, "after_step": after_step,
+           "delay_s": round(delay, 2)}
     proc, output = launch(run_dir, steps, progress)
     t0 = time.time()
-    while time.time() - t0 < delay and proc.poll() is None:
-        time.sleep(0.1)
+    metrics = run_dir / "metrics.jsonl"
+    while after_step and proc.poll() is None and \
+            (metrics.read_bytes().count(b"\n") if metrics.exists() else 0) < after_step:
+        time.sleep(0.05)
+    t1 = time.time()
+    while time.time() - t1 < delay and proc.poll() is None:
+        time.sleep(0.02)
+    res["signal_at_s"] = round(time.time() - t0, 1)
     if proc.poll() is not None:
         res["problems"] = [f"run ended (rc {proc.returncode}) before the signal"]
         return res
@@ -141,7 +152,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20, help="moments per signal (each: progress on and off alternate)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--max-delay", type=float, default=None, help="latest moment (s); default: a measured run's length")
+    ap.add_argument("--moments", choices=("steps", "time"), default="steps",
+                    help="steps (default): a random step k in 0..steps-1, the signal a random 0..--step-window s after "
+                         "step k's metrics line (k=0: 1..--startup-window s after launch), so the step phases are hit "
+                         "whatever the machine's load; time: uniform 1..--max-delay s after launch")
+    ap.add_argument("--startup-window", type=float, default=60.0)
+    ap.add_argument("--step-window", type=float, default=3.0)
+    ap.add_argument("--max-delay", type=float, default=None, help="--moments time: latest moment (s); default: a "
+                    "measured run's length")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="sampler.compile_cache_dir for every run (the fuzz measures interrupts, not compiles)")
+    ap.add_argument("--only", default=None, help="comma-separated trial numbers of the plan to run (a rerun)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
                     help="default: benchmarks/results/single/interrupt_fuzz-<machine>-<date>.json")
@@ -167,7 +188,9 @@ def main() -> int:
     load = A.LoadSampler(every=30.0)
     load.start()
     t0 = time.time()
-    max_delay = args.max_delay
+    if args.compile_cache:
+        EXTRA.append(f"sampler.compile_cache_dir={Path(args.compile_cache).resolve()}")
+    max_delay = args.max_delay if args.moments == "time" else 0.0
     if max_delay is None:  # one uninterrupted run sets the window: start-up to the last step
         proc, _ = launch(base / "reference", args.steps, False)
         proc.wait(timeout=1800)
@@ -178,18 +201,29 @@ def main() -> int:
     def document() -> dict:
         from collections import Counter
 
-        return {**meta, "trials_planned": sum(i % shards == shard for i in range(len(plan))), "trials": len(results),
+        planned = sum(i % shards == shard and (only is None or i in only) for i in range(len(plan)))
+        return {**meta, "trials_planned": planned, "trials": len(results),
                 "clean": sum(not r["problems"] for r in results), "steps": args.steps,
                 "max_delay_s": round(max_delay, 1), "phases": sorted({r.get("phase", "?") for r in results}),
                 "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
                 "wall_s": round(time.time() - t0, 1), "loadavg_now": A.loadavg(), "load_during": load.summary(),
                 "results": results}
 
-    delays = [rng.uniform(1.0, max_delay) for _ in plan]  # drawn for the whole plan: a shard's trials are its own
+    # drawn for the whole plan: a shard's trials (and --only's) are the whole fuzz's
+    if args.moments == "time":
+        moments = [(0, rng.uniform(1.0, max_delay)) for _ in plan]
+    else:
+        moments = []
+        for _ in plan:
+            k = rng.randrange(args.steps)
+            moments.append((k, rng.uniform(1.0, args.startup_window) if k == 0 else rng.uniform(0.0, args.step_window)))
+    only = {int(x) for x in args.only.split(",")} if args.only else None
+    meta |= {"moments": args.moments, "startup_window_s": args.startup_window, "step_window_s": args.step_window,
+             "compile_cache": args.compile_cache, "only": sorted(only) if only else None}
     for i, (sig, progress) in enumerate(plan):
-        if i % shards != shard:
+        if i % shards != shard or (only is not None and i not in only):
             continue
-        results.append(trial(i, sig, progress, delays[i], args.steps, base))
+        results.append(trial(i, sig, progress, moments[i][1], args.steps, base, after_step=moments[i][0]))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         out.write_text(json.dumps(document(), indent=1))
     load.stop.set()
