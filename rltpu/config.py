@@ -602,6 +602,7 @@ class LoggersConfig(_Section):
     tensorboard: bool = False
     wandb: bool = False  # offline mode: files under run_dir/wandb, nothing sent
     mlflow: bool = False  # local SQLite store: run_dir/mlflow.db (mlflow ui --backend-store-uri sqlite:///...)
+    samples: int = Field(0, ge=0)  # rows per step written as text to run_dir/samples.jsonl (one per prompt group)
 
 
 class PlannerConfig(_Section):

@@ -42,7 +42,7 @@ def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_boun
     steps = 6
     res = _train(run, "placement.staleness=1", "trainer.off_policy_correction=tis", f"trainer.steps={steps}",
                  "trainer.target_reward=null", f"eval.dataset={held}", "eval.every_steps=3", "eval.samples=4",
-                 "eval.k=2")
+                 "eval.k=2", "loggers.samples=2")
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in m] == list(range(1, steps + 1))
@@ -54,6 +54,11 @@ def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_boun
     assert all(r["env_turns_mean"] > 1.5 and r["policy_tokens_mean"] < r["response_len"] for r in m)
     assert all(r["reward_calls"] == PROMPTS * 16 and r["reward_errors"] == r["reward_timeouts"] == 0 for r in m)
     assert check(read_ledger(run / "ledger.jsonl"), steps, PROMPTS) == []
+    # loggers.samples: two rows a step as text, the environment's tokens marked
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in samples] == [s for s in range(1, steps + 1) for _ in range(2)]
+    assert all(x["prompt"].endswith("?") and len(x["policy_mask"]) == len(x["response"]) for x in samples)
+    assert any("e" in x["policy_mask"] for x in samples) and all(x["policy_mask"].startswith("p") for x in samples)
     evals = [r for r in m if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [3, 6]
     for r in evals:

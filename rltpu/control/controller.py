@@ -26,6 +26,7 @@ on a named actor handle.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -475,7 +476,32 @@ class Controller:
                 raise
             return self.weights.push(version)
 
+    def _log_samples(self, gen: dict, rewards: np.ndarray) -> None:
+        """``loggers.samples`` rows of this step as text (the first of each of that many prompt
+        groups) to ``samples.jsonl``: what the policy writes, what the environment answered, and
+        the reward. A debug record: a failed write is a warning."""
+        n, G = self.cfg.loggers.samples, self.cfg.sampler.group_size
+        rows = range(0, min(n * G, len(rewards)), G)
+        tok = self.tokenizer
+        out = []
+        for r in rows:
+            prompt = gen["prompt"][r][gen["prompt_mask"][r] > 0]
+            resp = gen["tokens"][r, : gen["lengths"][r]]
+            line = {"step": self.step_idx, "row": int(r), "reward": float(rewards[r]),
+                    "prompt": tok.decode(prompt, stop_at_eos=False), "response": tok.decode(resp, stop_at_eos=False)}
+            if "policy_mask" in gen:  # multi-turn: which characters' tokens were the environment's
+                line["turns"] = int(gen["turns"][r])
+                line["policy_mask"] = "".join("p" if m else "e" for m in gen["policy_mask"][r, : gen["lengths"][r]])
+            out.append(json.dumps(line) + "\n")
+        try:
+            with open(self.run_dir / "samples.jsonl", "a") as f:
+                f.writelines(out)
+        except OSError as err:
+            print(f"rltpu: warning: could not write samples.jsonl ({err.strerror or err})", file=sys.stderr)
+
     def _record(self, gen, rewards, outs, ds, batch, kl, stats, sync, probe, times: StepTimes) -> dict:
+        if self.cfg.loggers.samples:
+            self._log_samples(gen, rewards)
         if self.colocated and sync is not None:  # both roles resident: what each process holds now
             mem = self.ray.get([t.memory.remote() for t in self.placement.groups.trainers])
             ds = dict(ds, proc_rss_mb=max(m["rss_bytes"] for m in mem) / 2**20,
