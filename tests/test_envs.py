@@ -192,8 +192,12 @@ def test_calculator_rules():
     env.reset(ex)
     obs, r, done = env.step([], "<12*35")
     assert (obs, done) == ("420=", False) and r == pytest.approx(0.2 * 4 / 5)
-    obs, r, done = env.step([], "420")
-    assert obs is None and done and r == pytest.approx(0.8 * 1 / 3)  # only the '4' of '408' in place
+    assert env.step([], "408") == (None, 0.0, True)  # right, but not backed by a right call
+    env.reset(ex)
+    obs, r, done = env.step([], "<12*34")
+    assert (obs, done) == ("408=", False) and r == pytest.approx(0.2)
+    obs, r, done = env.step([], "400")
+    assert obs is None and done and r == pytest.approx(0.8 * 2 / 3)  # '4', '0' of '408' in place
 
 
 def test_guess_rules():

@@ -7,11 +7,13 @@
 
 Rewards (summed over the episode, at most 1): ``call_credit`` x the call's expression against the
 prompt's (position-wise credit, so a partly right call earns part), then ``1 - call_credit`` x the
-answer against the true product. The task is to use the calculator: an answer given without a
-call scores 0 (otherwise a policy from random init settles on guessing digits of products, a local
-optimum next to a tool it has not yet found). A tiny model cannot learn to multiply two-digit
-numbers in a few minutes; it can learn to copy the expression into a call and the tool's result
-into its answer, so what it reaches comes from the environment's turn: without that turn
+answer against the true product, counted only when the tool computed the right product (the
+answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
+one, a policy from random init farms partial credit by writing digits that products often start
+with ('1111...') and never learns the call; gated, the first steps' only signal is copying the
+expression, and once calls are right the answer is a copy of the tool's result just before it.
+A tiny model cannot learn to multiply two-digit numbers in a few minutes; it can learn both
+copies, so what it reaches comes from the environment's turn: without that turn
 (``max_turns: 1``) it can earn ``call_credit`` at most.
 
 Use with ``task.name: calc`` (examples with ``prompt``, ``expression``, ``answer``) or any dataset
@@ -45,9 +47,10 @@ class Calculator:
         self.call_credit = float(call_credit)
         self.example: dict = {}
         self.called = False
+        self.right = False  # the tool computed the true product
 
     def reset(self, example: dict) -> str:
-        self.example, self.called = example, False
+        self.example, self.called, self.right = example, False, False
         return example["prompt"]
 
     def step(self, messages: list[dict], completion: str) -> tuple[str | None, float, bool]:
@@ -56,7 +59,8 @@ class Calculator:
             expression = completion[1:]
             reward = self.call_credit * partial_credit(expression, {"answer": self.example["expression"]})
             result = evaluate(expression)
+            self.right = result is not None and str(result) == self.example["answer"]
             return ("" if result is None else str(result)) + "=", reward, False
-        if not self.called:
+        if not self.right:  # no call, or a call that did not compute the product
             return None, 0.0, True
         return None, (1 - self.call_credit) * partial_credit(completion, {"answer": self.example["answer"]}), True
