@@ -386,8 +386,16 @@ def save_engine(engine, directory: Path, meta: dict, keep: int = 1, group=None) 
                 critic_scheduler=engine.critic_scheduler.state_dict() if engine.critic is not None else None,
                 rng={"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()},
                 optimizer_param_groups=groups.pop(_modules(engine)[0][0]), extra_param_groups=groups,
-                lora=engine.lora.model_dump(mode="json") if getattr(engine, "lora", None) is not None else None)
+                lora=_lora_meta(engine))
     return save_checkpoint(directory, parts, meta, keep, _group_of(engine, group))
+
+
+def _lora_meta(engine) -> dict | None:
+    """What names the frozen base of a LoRA checkpoint (never copied into it): ``model.path``, or
+    the seeded init (seed, vocabulary) that ``rltpu export`` rebuilds."""
+    if getattr(engine, "lora", None) is None:
+        return None
+    return {**engine.lora.model_dump(mode="json"), "base_seed": engine.init_seed, "vocab_size": engine.vocab_size}
 
 
 def _zero_adam_state(optim: torch.optim.Optimizer) -> None:

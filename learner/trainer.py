@@ -40,6 +40,7 @@ class TrainerEngine:
         # identical on every rank (same seed)
         state = None if model_cfg.path else init_state_dict(model_cfg, vocab_size, seed)
         self.lora = trainer_cfg.lora  # LoRA: adapters train on a frozen base (learner/lora.py)
+        self.init_seed, self.vocab_size = seed, vocab_size  # LoRA checkpoints name their base by these
         self.model = self._build(model_cfg, vocab_size, state, lora=self.lora)
         if self.lora is not None:
             from learner.lora import init_adapters

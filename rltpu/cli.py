@@ -1,7 +1,7 @@
 """``rltpu`` command line.
 
     rltpu train configs/quickstart.yaml [trainer.lr=3e-3 ...] [--address HOST:PORT] [--resume]
-    rltpu export RUN_DIR/checkpoint OUT_DIR          # a Hugging Face directory of the policy
+    rltpu export RUN_DIR/checkpoint OUT_DIR          # a Hugging Face directory of the policy (LoRA: merged; --adapters: PEFT)
     rltpu tiny-checkpoint OUT_DIR --arch qwen2       # a tiny random HF checkpoint for dry runs
     rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
     rltpu status [RUN_DIR]                           # actor table from health.json; exit 1 when unhealthy
@@ -227,7 +227,7 @@ def cmd_export(args) -> int:
     from rltpu.models.hf.export import export_checkpoint
 
     try:
-        summary = export_checkpoint(args.checkpoint, args.out_dir, args.shard_mb)
+        summary = export_checkpoint(args.checkpoint, args.out_dir, args.shard_mb, args.adapters)
     except (ConfigError, ValueError, OSError) as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     import json
@@ -310,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
     p.add_argument("--shard-mb", type=float, default=4096,
                    help="largest weight file; bigger models are split with model.safetensors.index.json")
+    p.add_argument("--adapters", action="store_true",
+                   help="LoRA runs: write the adapters in the PEFT format (adapter_config.json + "
+                        "adapter_model.safetensors) instead of the merged model")
     p.set_defaults(func=cmd_export, overrides=[])
     from rltpu.models.hf.tiny import add_arguments
 

@@ -13,6 +13,12 @@ and the tokenizer: the files of the run's tokenizer directory (``task.tokenizer`
 ``model.path``) copied verbatim, or, for runs on the built-in character tokenizer, an equivalent
 ``tokenizers`` tokenizer built here (same ids). The export needs neither ``transformers`` nor the
 source model directory's weights; only its tokenizer files, when the run used one.
+
+A LoRA run's checkpoint holds only the adapters (``adapters.index.json``); its base is ``model.path``
+or the seeded init (rebuilt from the seed and vocabulary in ``trainer_state.json``). Then the export
+writes either the merged model (``W + (alpha / rank) B A`` per adapted projection, same HF layout) or,
+with ``adapters=True`` (``rltpu export --adapters``), PEFT's ``adapter_config.json`` +
+``adapter_model.safetensors`` (and, for a seeded base, the base as an HF directory in ``base/``).
 """
 
 from __future__ import annotations
@@ -81,8 +87,10 @@ def _copy_tokenizer(src: Path, out: Path) -> dict:
     return ids
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb: float = 4096) -> dict:
-    """Write the HF directory; returns a summary (architecture, tensors, files)."""
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb: float = 4096,
+                      adapters: bool = False) -> dict:
+    """Write the HF directory; returns a summary (architecture, tensors, files). ``adapters``: a LoRA
+    run's adapters in the PEFT format instead of the merged model."""
     ckpt = Path(checkpoint_dir)
     state_path = ckpt / "trainer_state.json"
     if not state_path.is_file():
@@ -96,6 +104,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
     source_path = model_dict.pop("path", None)
     # every architecture field is in the saved config already: validate without re-reading model.path
     cfg = ModelConfig.model_validate(model_dict)
+    if (ckpt / "adapters.index.json").is_file():
+        return _export_lora(ckpt, meta, cfg, source_path, run_cfg, Path(out_dir), shard_mb, adapters)
+    if adapters:
+        raise CheckpointError(f"{ckpt} is a full-parameter checkpoint (no adapters.index.json): export it without "
+                              f"--adapters")
     weights = ShardedPart(ckpt, "model") if (ckpt / "model.index.json").is_file() else \
         SafetensorsFile(ckpt / "model.safetensors")
     if "model.embed_tokens.weight" not in weights.entries:
@@ -110,7 +123,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
         if tuple(weights.shape(name)) != tuple(shape):
             raise CheckpointError(f"{weights.path}: tensor {name} has shape {list(weights.shape(name))} but the "
                                   f"run's model config implies {list(shape)}")
-    out = Path(out_dir)
+    spec = [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
+    hf = _write_model_dir(Path(out_dir), cfg, vocab, run_cfg, source_path, spec, weights.read, shard_mb)
+    return {"out_dir": str(out_dir), "architecture": hf["architectures"][0], "tensors": len(spec),
+            "step": meta.get("step"), "files": sorted(f.name for f in Path(out_dir).iterdir())}
+
+
+def _write_model_dir(out: Path, cfg, vocab: int, run_cfg: dict, source_path, spec, read, shard_mb: float) -> dict:
+    """config.json, the tokenizer and the weights ``spec`` (each fetched by ``read``): an HF directory."""
     out.mkdir(parents=True, exist_ok=True)
     tok_src = run_cfg.get("task", {}).get("tokenizer") or source_path
     if tok_src:
@@ -121,10 +141,78 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
         ids = write_char_tokenizer(out, DEFAULT_ALPHABET)
     hf = to_hf_config(cfg, vocab, ids.get("bos"), ids.get("eos"), ids.get("pad"))
     (out / "config.json").write_text(json.dumps(hf, indent=1))
-    spec = [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
-    _write_weights(out, spec, weights.read, int(shard_mb * 2**20))
-    return {"out_dir": str(out), "architecture": hf["architectures"][0], "tensors": len(spec),
+    _write_weights(out, spec, read, int(shard_mb * 2**20))
+    return hf
+
+
+def _export_lora(ckpt: Path, meta: dict, cfg, source_path, run_cfg: dict, out: Path, shard_mb: float,
+                 adapters_only: bool) -> dict:
+    """A LoRA checkpoint: merged model, or PEFT adapters (+ ``base/`` when the base is the seeded init)."""
+    from rltpu.models.spec import lora_shapes, param_shapes
+
+    info = meta.get("lora") or {}
+    if not info:
+        raise CheckpointError(f"{ckpt}/trainer_state.json: adapters without a 'lora' entry; corrupt checkpoint")
+    lora = _LoraView(info)
+    vocab = int(info["vocab_size"])
+    part = ShardedPart(ckpt, "adapters")
+    want = lora_shapes(cfg, lora, vocab)
+    for name, shape in want.items():
+        if name not in part.entries or tuple(part.shape(name)) != tuple(shape):
+            raise CheckpointError(f"{part.path}: adapter {name} is missing or not {list(shape)}; the run's lora "
+                                  f"config implies it")
+    if source_path:  # the base: the model directory the run loaded
+        from rltpu.models.hf.weights import CheckpointDir
+
+        src = CheckpointDir(source_path)
+        base_read = src.read
+    else:  # the seeded init, rebuilt (identical to what the trainer built)
+        from rltpu.models.torch_llama import init_state_dict
+
+        state = init_state_dict(cfg, vocab, int(info["base_seed"]))
+        base_read = state.__getitem__
+    shapes = param_shapes(cfg, vocab)
+    if adapters_only:
+        out.mkdir(parents=True, exist_ok=True)
+        base_dir = source_path
+        if not source_path:
+            spec = [(n, tuple(s), cfg.dtype) for n, s in shapes.items()]
+            _write_model_dir(out / "base", cfg, vocab, run_cfg, None, spec, base_read, shard_mb)
+            base_dir = str((out / "base").resolve())
+        targets = sorted({n.rsplit(".", 3)[-3] for n in want})
+        (out / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_dir,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None}, indent=1))
+        spec = [("base_model.model." + n, tuple(s), part.dtype(n)) for n, s in want.items()]
+        (out / "adapter_model.safetensors").unlink(missing_ok=True)
+        write_safetensors(out / "adapter_model.safetensors", spec,
+                          lambda n: part.read(n.removeprefix("base_model.model.")), metadata={"format": "pt"})
+        return {"out_dir": str(out), "format": "peft", "base": base_dir, "tensors": len(spec),
+                "step": meta.get("step"), "files": sorted(f.name for f in out.iterdir())}
+
+    def merged(name: str):
+        w = base_read(name)
+        a_name = name[: -len(".weight")] + ".lora_A.weight"
+        if a_name not in want:
+            return w
+        a, b = part.read(a_name).float(), part.read(a_name.replace(".lora_A.", ".lora_B.")).float()
+        return (w.float() + lora.scale * (b @ a)).to(w.dtype)  # the same sum learner.lora.merge_into forms
+
+    spec = [(n, tuple(s), cfg.dtype) for n, s in shapes.items()]
+    hf = _write_model_dir(out, cfg, vocab, run_cfg, source_path, spec, merged, shard_mb)
+    return {"out_dir": str(out), "architecture": hf["architectures"][0], "tensors": len(spec), "merged_lora": True,
             "step": meta.get("step"), "files": sorted(f.name for f in out.iterdir())}
+
+
+class _LoraView:
+    """The ``lora`` entry of ``trainer_state.json`` with ``LoraConfig``'s attribute names."""
+
+    def __init__(self, info: dict):
+        self.rank, self.alpha = int(info["rank"]), float(info["alpha"])
+        self.dropout, self.target_modules = float(info.get("dropout", 0.0)), tuple(info["target_modules"])
+        self.scale = self.alpha / self.rank
 
 
 def _write_weights(out: Path, spec: list, read, shard_bytes: int) -> None:
