@@ -59,6 +59,7 @@ class Workload:
     bucket_mb: float = 16.0
     mixed_precision: str = "fp32"  # trainer.mixed_precision: "bf16" = bf16 compute, fp32 master + AdamW
     reward_chips: int = 0  # placement.reward_chips: a reward-model group on chips of its own
+    lora: tuple | None = None  # trainer.lora: (rank, target module names); None = every parameter trains
 
     @property
     def rows(self) -> int:
@@ -79,7 +80,16 @@ class Workload:
             reward_params=pl.reward_model_params, precision=cfg.backend.matmul_precision,
             bucket_mb=cfg.sync.bucket_mb, mixed_precision=getattr(cfg.trainer, "mixed_precision", "fp32"),
             reward_chips=getattr(cfg.placement, "reward_chips", 0),
+            lora=(cfg.trainer.lora.rank, tuple(cfg.trainer.lora.target_modules)) if cfg.trainer.lora else None,
         )
+
+    def trained_params(self, m: "ModelShape") -> int:
+        """Parameters with gradients and AdamW states: all, or with LoRA the adapters only."""
+        return lora_params(m, *self.lora) if self.lora else m.params
+
+    def synced_params(self, m: "ModelShape") -> int:
+        """Parameters a steady-state weight sync moves: all, or with LoRA the adapters (the base went once)."""
+        return self.trained_params(m)
 
     def state_bytes(self, m: "ModelShape") -> int:
         """Bytes per value of trainer weights, grads and AdamW states (fp32 master under bf16 mixed)."""
@@ -87,6 +97,14 @@ class Workload:
 
     def compute_bytes(self, m: "ModelShape") -> int:
         return 2 if self.mixed_precision == "bf16" else m.bytes
+
+
+def lora_params(m: ModelShape, rank: int, targets) -> int:
+    """LoRA adapter parameters: rank x (in + out) per adapted projection per layer."""
+    H, q, kv, inter = m.hidden, m.heads * m.head_dim, m.kv_dim, m.inter
+    dims = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+            "gate_proj": (H, inter), "up_proj": (H, inter), "down_proj": (inter, H)}
+    return m.layers * rank * sum(sum(dims[t]) for t in targets)
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
@@ -138,8 +156,9 @@ def _act_bytes_per_token(m: ModelShape, seq: int, checkpointing: bool, b: int | 
 def trainer_memory(m: ModelShape, w: Workload, fsdp_chips: int, tokens_per_chip: float,
                    checkpointing: bool) -> dict[str, float]:
     P, b, f, cb = m.params, w.state_bytes(m), fsdp_chips, w.compute_bytes(m)
-    mem = {"weights": P * b / f, "grads": P * b / f, "adam_states": 2 * P * b / f}
-    if w.reference:
+    T = w.trained_params(m)  # LoRA: the frozen base has no grads and no AdamW states
+    mem = {"weights": (P + (T if w.lora else 0)) * b / f, "grads": T * b / f, "adam_states": 2 * T * b / f}
+    if w.reference and not w.lora:  # LoRA's reference is the base itself (adapters off): no copy
         mem["reference"] = P * m.bytes / f
     if w.critic:
         mem["critic"] = 4 * P * b / f
@@ -314,11 +333,13 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     """
     tokens = rows_per_actor * w.seq
     H, L = m.hidden, m.layers
-    mult = 6 + (2 if checkpointing else 0) + (2 if w.reference else 0) + (6 if w.critic else 0)
+    # LoRA: backward still forms activation gradients (2 x) but no base weight gradients (the other 2 x)
+    mult = (4 if w.lora else 6) + (2 if checkpointing else 0) + (2 if w.reference else 0) + (6 if w.critic else 0)
     flops = w.ppo_epochs * (mult * m.matmul_params * tokens + 12 * tokens * w.seq * H * L)
     cb, sb = w.compute_bytes(m), w.state_bytes(m)  # gathers in compute dtype, grads reduced in state dtype
-    fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb + sb) * m.params * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
-    opt_bytes = w.ppo_epochs * 7 * m.params * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
+    T = w.trained_params(m)  # gradients reduced and AdamW run for these only
+    fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb * m.params + sb * T) * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
+    opt_bytes = w.ppo_epochs * 7 * T * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
     if hw.emulated:  # the measured train_step line: fixed seconds per update + FLOPs at the marginal rate
         fixed, rate = cpu_train_fit(hw, fsdp, H, L)
@@ -369,7 +390,7 @@ def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slic
     loopback: a handshake and a verdict all-gather, then each stream's messages broadcast
     one-to-all (gloo's root sends to every receiver in turn), plus a checksum broadcast.
     """
-    W = m.params * m.bytes  # the wire carries the sampler's dtype (model.dtype)
+    W = w.synced_params(m) * m.bytes  # the wire carries the sampler's dtype (model.dtype); LoRA: adapters only
     f = max(1, fsdp)
     shard = W / f
     hops: list[Hop] = []
@@ -385,7 +406,8 @@ def sync_route(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, trainer_slic
         return hops
     if hw.emulated:
         crowded = f + n_samplers > hw.cpu["cores"]
-        msgs = stream_messages(m, f, w.bucket_mb)
+        msgs = stream_messages(m, f, w.bucket_mb) if not w.lora else \
+            max(1, math.ceil(shard / (w.bucket_mb * 2**20)))  # LoRA: small adapters, packed into buckets
         if "sync_probe" in hw.cpu:  # the real sync, measured: fixed + messages x latency + bytes / rate
             fixed, bw, lat = cpu_sync_fit(hw, crowded)
             # the probe's 2 trainers x 2 samplers put W on every sampler and n x shard on every trainer
