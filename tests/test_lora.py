@@ -219,3 +219,26 @@ def test_cli_refuses_bad_lora_before_ray(tmp_path):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "lora.rank=-2" in lines[0] and not (tmp_path / "r").exists(), res.stderr
+
+
+def test_plan_costs_lora_memory_and_sync_by_hand():
+    """``rltpu plan``: with LoRA the trainer holds grads and AdamW states for the adapters only, no
+    reference copy, and a steady-state sync moves the adapters' bytes."""
+    from rltpu.plan.costmodel import Workload, lora_params, sync_route, trainer_memory
+    from rltpu.plan.hardware import tpu
+    from rltpu.plan.shapes import ModelShape
+
+    m = ModelShape(24, 896, 4864, 14, 2, 64, 151936, True, "float32")  # Qwen2-0.5B
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    n = lora_params(m, 8, targets)
+    assert n == 24 * 8 * ((896 + 896) + 2 * (896 + 128) + (896 + 896) + 2 * (896 + 4864) + (4864 + 896))
+    full = Workload(prompts=8, group=4, prompt_len=64, new_tokens=64, reference=True)
+    lora = Workload(prompts=8, group=4, prompt_len=64, new_tokens=64, reference=True, lora=(8, targets))
+    a, b = trainer_memory(m, full, 2, 1000, True), trainer_memory(m, lora, 2, 1000, True)
+    assert a["grads"] == m.params * 4 / 2 and b["grads"] == n * 4 / 2
+    assert b["adam_states"] == 2 * n * 4 / 2 and "reference" not in b and a["reference"] == m.params * 4 / 2
+    assert b["weights"] == (m.params + n) * 4 / 2
+    hw = tpu("v5e")
+    moved = lambda w: sum(h.bytes for h in sync_route(hw, m, w, 2, [0, 0], {0: 2}, 2, False)  # noqa: E731
+                          if h.link == "PCIe" and "stage" in h.what)
+    assert moved(full) == m.params * 4 and moved(lora) == n * 4
