@@ -1,7 +1,7 @@
 """Every algorithm preset learns the quickstart task through the real CLI (shortened runs).
 
-One Ray head (``ray start --head --block``, emulated TPU resources) is shared by all presets, so
-each run pays for its actors and compilation but not for a cluster start. Full-length figures per
+The suite's Ray head (``ray start --head --block``, emulated TPU resources; tests/conftest.py) is shared
+by all presets, so each run pays for its actors but not for a cluster start. Full-length figures per
 preset: ``benchmarks/algorithms.py``. GRPO itself is covered by ``test_e2e.py``.
 """
 
@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import procs
 import pytest
 
 from rltpu.observe.ledger import read_ledger
@@ -28,10 +27,9 @@ STEPS = 30
 TARGET = 0.3
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    with procs.ray_head("alg", ENV) as address:
-        yield address
+@pytest.fixture()
+def ray_head(shared_ray_head):
+    return shared_ray_head
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "grpo"])

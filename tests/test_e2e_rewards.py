@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,20 +25,13 @@ ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 G, PROMPTS, STEPS, TIMEOUT_S = 16, 64, 4, 1.0
 
 
-def test_faulty_rewards_are_defaulted_counted_and_bounded_and_eval_stays_out_of_training(shared_ray_head, tmp_path):
-    held = tmp_path / "held.jsonl"
-    digits = ["4821", "1234", "9075", "3366", "5150", "7002", "8888", "2468"]
-    held.write_text("".join(json.dumps({"id": f"eval-{i}", "prompt": f"c{d}=", "answer": d}) + "\n"
-                            for i, d in enumerate(digits)))
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}",
-           "progress=false", f"trainer.steps={STEPS}", "trainer.target_reward=null", "sync.verify_every=0",
-           "task.reward_fn=tests.reward_faults:faulty_partial_credit", f"task.reward_timeout_s={TIMEOUT_S}",
-           "task.reward_max_failure_frac=0.5", f"eval.dataset={held}", "eval.every_steps=2", "eval.samples=4",
-           "eval.k=2", "--address", shared_ray_head]
-    t0 = time.time()
-    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    wall = time.time() - t0
+def test_faulty_rewards_are_defaulted_counted_and_bounded_and_eval_stays_out_of_training(joined_quickstart_run):
+    # the run (tests/conftest.py, shared with test_e2e.py's joined-cluster check): the quickstart for STEPS
+    # steps, task.reward_fn=tests.reward_faults:faulty_partial_credit with task.reward_timeout_s=TIMEOUT_S and
+    # task.reward_max_failure_frac=0.5, 8 held-out digit strings (run.digits) as eval.dataset every 2 steps (4 samples, k=2)
+    run = joined_quickstart_run
+    assert (run.steps, run.timeout_s) == (STEPS, TIMEOUT_S)
+    run_dir, res, wall, digits = run.run_dir, run.res, run.wall, run.digits
     assert res.returncode == 0, res.stderr[-3000:]
 
     m = read_metrics(run_dir / "metrics.jsonl")

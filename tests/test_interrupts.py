@@ -14,41 +14,33 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import latest_valid, verify_checkpoint
 from rltpu.observe.ledger import check, read_ledger
-from rltpu.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("interrupt_fuzz", ROOT / "benchmarks" / "interrupt_fuzz.py")
 fuzz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 pytestmark = pytest.mark.slow
-STEPS = 4
 
 
 def _stop_lines(text: str) -> list[str]:
     return [ln.strip() for ln in re.split(r"[\r\n]", text) if "rltpu: stopped by" in ln]
 
 
-def test_sigterm_with_progress_bar_after_an_update_checkpoints_and_resumes(tmp_path):
-    run_dir = tmp_path / "run"
-    proc, output = fuzz.launch(run_dir, STEPS, progress=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None and len(read_metrics(metrics)) < 2:
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=600)
-    text = output()
-    assert proc.returncode == 143, text[-3000:]
+def test_sigterm_with_progress_bar_after_an_update_checkpoints_and_resumes(sigterm_resumed_run):
+    # the run (tests/conftest.py, shared with test_fault_tolerance.py's resume-equals-uninterrupted check):
+    # fuzz.launch with progress=True on a pseudo-terminal, SIGTERM to the driver once >= 4 steps are logged
+    run = sigterm_resumed_run
+    stopped, text = run.stopped, run.stopped.text
+    assert stopped.returncode == 143, text[-3000:]
+    assert stopped.logged_at_signal >= 2  # after an update
     assert "Traceback" not in text and "\r" in text  # the bar was really drawn (a terminal)
     assert len(_stop_lines(text)) == 1, text[-3000:]
-    meta = verify_checkpoint(latest_valid(run_dir / "checkpoint"))
+    meta = stopped.meta  # verify_checkpoint(latest_valid(run_dir / "checkpoint")), read before the resume
     assert meta["step"] >= 2
-    assert [r["step"] for r in read_metrics(metrics)][-1] == meta["step"]  # metrics and checkpoint agree
-    resume, out2 = fuzz.launch(run_dir, STEPS, progress=False, resume=True)
-    assert resume.wait(timeout=1200) == 0, out2()[-3000:]
-    assert check(read_ledger(run_dir / "ledger.jsonl"), STEPS, 64) == []
+    assert stopped.metrics_steps[-1] == meta["step"]  # metrics and checkpoint agree
+    assert run.resumed.returncode == 0, run.resumed.text[-3000:]
+    assert check(read_ledger(run.run_dir / "ledger.jsonl"), run.steps, 64) == []
 
 
 def test_ctrl_c_during_start_up_is_one_line_and_the_run_can_resume(tmp_path):
