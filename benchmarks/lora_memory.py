@@ -126,10 +126,11 @@ def main() -> int:
                         "params": sum(int(__import__("math").prod(s)) for s in param_shapes(cfg).values()),
                         "lora_params": sum(int(__import__("math").prod(s)) for s in lora_shapes(cfg, lora).values())},
               "ranks": args.ranks, "lora_rank": args.rank, "runs": {}}
-    for name, r in (("full", 0), ("lora", args.rank)):
+    for name, r in (("lora", args.rank), ("full", 0)):
         out = spawn_ranks(_rank, args.ranks, (str(hf_dir), r), 3600, name)
         result["runs"][name] = {"per_rank": out, "sync_bytes_per_step": sync_bytes(cfg, cfg.vocab_size,
                                                                                     lora if r else None, args.ranks)}
+        print(json.dumps({name: result["runs"][name]}), file=sys.stderr, flush=True)  # each run as it lands
     result["runs"]["lora"]["first_sync_bytes"] = sync_bytes(cfg, cfg.vocab_size, lora, args.ranks, first=True)
     print(json.dumps(result, indent=1))
     return 0
