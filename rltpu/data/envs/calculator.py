@@ -5,8 +5,9 @@
     environment  1924=         the tool's result
     policy       1924          the answer
 
-Rewards (summed over the episode, at most 1): ``call_credit`` x the call's expression against the
-prompt's (position-wise credit, so a partly right call earns part), then ``1 - call_credit`` x the
+Rewards (summed over the episode, at most 1): ``call_credit`` x the call's digits against the
+expression's (position-wise credit, so a partly right call earns part; the '*' is not credited: a
+constant '<******' would otherwise earn a fixed share and the policy collapsed onto it), then ``1 - call_credit`` x the
 answer against the true product, counted only when the tool computed the right product (the
 answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
 one, a policy from random init farms partial credit by writing digits that products often start
@@ -25,6 +26,10 @@ from __future__ import annotations
 from rltpu.data.rewards import partial_credit
 
 MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products cost nothing)
+
+
+def _digits(text: str) -> str:
+    return "".join(c for c in text if c.isdigit())
 
 
 def evaluate(expression: str) -> int | None:
@@ -57,7 +62,7 @@ class Calculator:
         if completion.startswith("<") and not self.called:
             self.called = True
             expression = completion[1:]
-            reward = self.call_credit * partial_credit(expression, {"answer": self.example["expression"]})
+            reward = self.call_credit * partial_credit(_digits(expression), {"answer": _digits(self.example["expression"])})
             result = evaluate(expression)
             self.right = result is not None and str(result) == self.example["answer"]
             return ("" if result is None else str(result)) + "=", reward, False
