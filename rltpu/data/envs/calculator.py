@@ -5,9 +5,10 @@
     environment  1924=         the tool's result
     policy       1924          the answer
 
-Rewards (summed over the episode, at most 1): ``call_credit`` x the call's digits against the
-expression's (position-wise credit, so a partly right call earns part; the '*' is not credited: a
-constant '<******' would otherwise earn a fixed share and the policy collapsed onto it), then ``1 - call_credit`` x the
+Rewards (summed over the episode, at most 1): ``call_credit`` x the call against the expression,
+position-wise over the expression's digits and divided by the longer of the two (``call_score``:
+a partly right call earns part, extra characters cost credit; the '*' is not credited, else a
+constant '<******' earns a fixed share and the policy collapsed onto it), then ``1 - call_credit`` x the
 answer against the true product, counted only when the tool computed the right product (the
 answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
 one, a policy from random init farms partial credit by writing digits that products often start
@@ -28,8 +29,14 @@ from rltpu.data.rewards import partial_credit
 MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products cost nothing)
 
 
-def _digits(text: str) -> str:
-    return "".join(c for c in text if c.isdigit())
+def call_score(call: str, expression: str) -> float:
+    """Digits of ``expression`` the call has in place, over the longer of the two lengths, scaled
+    so that the exact expression scores 1 (the operator's position earns nothing)."""
+    digits = [i for i, c in enumerate(expression) if c.isdigit()]
+    if not digits:
+        return 0.0
+    hits = sum(i < len(call) and call[i] == expression[i] for i in digits)
+    return hits / max(len(expression), len(call)) * len(expression) / len(digits)
 
 
 def evaluate(expression: str) -> int | None:
@@ -62,7 +69,7 @@ class Calculator:
         if completion.startswith("<") and not self.called:
             self.called = True
             expression = completion[1:]
-            reward = self.call_credit * partial_credit(_digits(expression), {"answer": _digits(self.example["expression"])})
+            reward = self.call_credit * call_score(expression, self.example["expression"])
             result = evaluate(expression)
             self.right = result is not None and str(result) == self.example["answer"]
             return ("" if result is None else str(result)) + "=", reward, False
