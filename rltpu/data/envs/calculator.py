@@ -6,9 +6,8 @@
     policy       1924          the answer
 
 Rewards (summed over the episode, at most 1): ``call_credit`` x the call against the expression,
-position-wise over the expression's digits and divided by the longer of the two (``call_score``:
-a partly right call earns part, extra characters cost credit; the '*' is not credited, else a
-constant '<******' earns a fixed share and the policy collapsed onto it), then ``1 - call_credit`` x the
+position-wise and divided by the longer of the two (``call_score``: a partly right call earns
+part, extra characters cost credit), then ``1 - call_credit`` x the
 answer against the true product, counted only when the tool computed the right product (the
 answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
 one, a policy from random init farms partial credit by writing digits that products often start
@@ -30,13 +29,10 @@ MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products 
 
 
 def call_score(call: str, expression: str) -> float:
-    """Digits of ``expression`` the call has in place, over the longer of the two lengths, scaled
-    so that the exact expression scores 1 (the operator's position earns nothing)."""
-    digits = [i for i, c in enumerate(expression) if c.isdigit()]
-    if not digits:
-        return 0.0
-    hits = sum(i < len(call) and call[i] == expression[i] for i in digits)
-    return hits / max(len(expression), len(call)) * len(expression) / len(digits)
+    """Characters of ``expression`` the call has in place, over the longer of the two lengths.
+    Every position counts, the operator's too: crediting digits only, a policy wrote '688' for
+    '6*8' (full credit, and a call the tool cannot run)."""
+    return partial_credit(call, {"answer": expression})
 
 
 def evaluate(expression: str) -> int | None:
