@@ -191,12 +191,12 @@ def test_calculator_rules():
     assert env.step([], "408") == (None, 0.0, True)  # an answer without a call scores nothing
     env.reset(ex)
     obs, r, done = env.step([], "<12*35")
-    assert (obs, done) == ("420=", False) and r == pytest.approx(0.2 * 4 / 5)  # '1', '2', '*', '3' of 12*34
+    assert (obs, done) == ("420=", False) and r == pytest.approx(0.2 * (1 + 1 / 2) / 2)  # '12' right, '3' of '34'
     assert env.step([], "408") == (None, 0.0, True)  # right, but not backed by a right call
     env.reset(ex)
-    assert env.step([], "<12*3499")[1] == pytest.approx(0.2 * 5 / 7)  # extra characters cost credit
+    assert env.step([], "<12*3499")[1] == pytest.approx(0.2 * (1 + 2 / 4) / 2)  # extra characters cost credit
     env.reset(ex)
-    assert env.step([], "<1224")[1] == pytest.approx(0.2 * 2 / 5)  # a digit in the operator's place earns nothing
+    assert env.step([], "<1234")[1] == 0.0 and env.step([], "<**")[1] == 0.0  # not the expression's shape
     env.reset(ex)
     obs, r, done = env.step([], "<12*34")
     assert (obs, done) == ("408=", False) and r == pytest.approx(0.2)

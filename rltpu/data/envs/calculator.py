@@ -6,8 +6,8 @@
     policy       1924          the answer
 
 Rewards (summed over the episode, at most 1): ``call_credit`` x the call against the expression,
-position-wise and divided by the longer of the two (``call_score``: a partly right call earns
-part, extra characters cost credit), then ``1 - call_credit`` x the
+operand by operand (``call_score``: a partly right call earns part, extra characters cost
+credit, a call without the operator earns nothing), then ``1 - call_credit`` x the
 answer against the true product, counted only when the tool computed the right product (the
 answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
 one, a policy from random init farms partial credit by writing digits that products often start
@@ -29,10 +29,14 @@ MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products 
 
 
 def call_score(call: str, expression: str) -> float:
-    """Characters of ``expression`` the call has in place, over the longer of the two lengths.
-    Every position counts, the operator's too: crediting digits only, a policy wrote '688' for
-    '6*8' (full credit, and a call the tool cannot run)."""
-    return partial_credit(call, {"answer": expression})
+    """The mean position-wise credit of the call's operands against the expression's, 0 unless the
+    call has the expression's shape (as many '*'). Why operands: crediting characters in place, the
+    fixed '*' is a free share and the policy collapsed onto '<**' (seen twice); crediting digits
+    only, it wrote '688' for '6*8' (full credit, a call the tool cannot run)."""
+    got, want = call.split("*"), expression.split("*")
+    if len(got) != len(want):
+        return 0.0
+    return sum(partial_credit(g, {"answer": w}) for g, w in zip(got, want)) / len(want)
 
 
 def evaluate(expression: str) -> int | None:
