@@ -57,7 +57,7 @@ def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_boun
     # loggers.samples: two rows a step as text, the environment's tokens marked
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in samples] == [s for s in range(1, steps + 1) for _ in range(2)]
-    assert all(x["prompt"].endswith("?") and len(x["policy_mask"]) == len(x["response"]) for x in samples)
+    assert all(x["prompt"].endswith("?") and len(x["policy_mask"]) == x["response_tokens"] for x in samples)
     assert any("e" in x["policy_mask"] for x in samples) and all(x["policy_mask"].startswith("p") for x in samples)
     evals = [r for r in m if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [3, 6]

@@ -488,8 +488,9 @@ class Controller:
             prompt = gen["prompt"][r][gen["prompt_mask"][r] > 0]
             resp = gen["tokens"][r, : gen["lengths"][r]]
             line = {"step": self.step_idx, "row": int(r), "reward": float(rewards[r]),
-                    "prompt": tok.decode(prompt, stop_at_eos=False), "response": tok.decode(resp, stop_at_eos=False)}
-            if "policy_mask" in gen:  # multi-turn: which characters' tokens were the environment's
+                    "prompt": tok.decode(prompt, stop_at_eos=False), "response": tok.decode(resp, stop_at_eos=False),
+                    "response_tokens": int(len(resp))}
+            if "policy_mask" in gen:  # multi-turn: one letter per response token, the policy's or the environment's
                 line["turns"] = int(gen["turns"][r])
                 line["policy_mask"] = "".join("p" if m else "e" for m in gen["policy_mask"][r, : gen["lengths"][r]])
             out.append(json.dumps(line) + "\n")
