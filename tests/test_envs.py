@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from learner.trainer import TrainerEngine
 from rltpu.config import ConfigError, ModelConfig, RunConfig, SamplerConfig, TrainerConfig
@@ -18,7 +17,6 @@ from rltpu.data.envs.calculator import Calculator, evaluate
 from rltpu.data.envs.episodes import deadline_call, direct_call, run_episodes
 from rltpu.data.envs.guess import GuessNumber
 from rltpu.models import jax_llama
-from rltpu.models.torch_llama import init_state_dict
 from rltpu.sampling.engine import SamplerEngine
 
 TOK = CharTokenizer(TASK_ALPHABET["calc"])
