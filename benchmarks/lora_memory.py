@@ -30,14 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import load_memory  # noqa: E402  (the Qwen2-0.5B shape and its checkpoint writer)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+from checkpoint import _status  # noqa: E402  (VmRSS / VmHWM of this process, as benchmarks/checkpoint.py reads them)
 
 
 def _rank(rank: int, world: int, port: int, hf_dir: str, lora_rank: int, q) -> None:
