@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # torch loads every installed device backend at ``import torch`` (entry points); torch_tpu's then
 # opens libtpu in the driver, which owns no chip. Chip-owning processes import it explicitly
@@ -81,11 +82,30 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:  # before the controller existed
         INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
-        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran", file=sys.stderr,
-              flush=True)
+        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran; run again "
+              f"(--resume also starts from step 0 here)", file=sys.stderr, flush=True)
         return INTERRUPTS.exit_code()
     finally:
         INTERRUPTS.restore()
+
+
+def resume_from(run_dir: Path) -> bool:
+    """What ``--resume`` does with this run dir: True to load its checkpoint, False to start from
+    step 0 (said in a line) when nothing was trained there yet: no checkpoint and no ledger step,
+    whether start-up was stopped or the dir does not exist yet. Why not an error: a scheduler that
+    restarts a preempted job passes ``--resume`` every time, the first launch included. Trained
+    steps without a checkpoint raise: starting over would lose them."""
+    ckpt = run_dir / "checkpoint"
+    if any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
+        return True
+    from rltpu.observe.ledger import effective, read_ledger
+
+    if effective(read_ledger(run_dir / "ledger.jsonl")):
+        raise ConfigError(f"--resume: no checkpoint in {ckpt} but the ledger has trained steps (restore the "
+                          f"checkpoint, or start a new run without --resume in another run_dir)")
+    print(f"rltpu: --resume: nothing trained in {run_dir} yet (no checkpoint, no ledger step); starting from "
+          f"step 0", file=sys.stderr, flush=True)
+    return False
 
 
 def _train(args, interrupts) -> int:
@@ -98,21 +118,7 @@ def _train(args, interrupts) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
-        resume = args.resume
-        ckpt = cfg.resolved_run_dir / "checkpoint"
-        if resume and not any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
-            from rltpu.observe.ledger import effective, read_ledger
-
-            if effective(read_ledger(cfg.resolved_run_dir / "ledger.jsonl")):
-                raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at "
-                                  f"the run)")
-            if cfg.resolved_run_dir.exists():  # stopped during start-up: nothing was trained, nothing is lost
-                print(f"rltpu: --resume: no checkpoint yet in {cfg.resolved_run_dir} and no step trained; "
-                      f"starting from step 0", file=sys.stderr, flush=True)
-                resume = False
-            else:
-                raise ConfigError(f"--resume: no checkpoint in {ckpt} (run without --resume, or point run_dir at "
-                                  f"the run)")
+        resume = resume_from(cfg.resolved_run_dir) if args.resume else False
         preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 

@@ -106,6 +106,28 @@ def test_ledger_commit_is_fsynced(tmp_path, monkeypatch):
     assert synced
 
 
+def test_resume_starts_from_step_0_only_where_nothing_was_trained(tmp_path, capsys):
+    """A scheduler passes --resume on every launch: a run dir stopped before it existed, or before any
+    step, starts from step 0 (said in a line); trained steps without a checkpoint are an error."""
+    from rltpu.cli import resume_from
+    from rltpu.config import ConfigError
+    from rltpu.observe.ledger import Ledger
+
+    fresh = tmp_path / "never-created"
+    assert resume_from(fresh) is False and not fresh.exists()
+    assert "starting from step 0" in capsys.readouterr().err
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    Ledger(trained / "ledger.jsonl").commit(1, ["0:0:a"], 0)
+    with pytest.raises(ConfigError, match="ledger has trained steps"):
+        resume_from(trained)
+    Ledger(trained / "ledger.jsonl").rollback(0, "test")  # every trained step voided: nothing to lose
+    assert resume_from(trained) is False
+    (trained / "checkpoint.prev").mkdir()
+    (trained / "checkpoint.prev" / "trainer_state.json").write_text("{}")
+    assert resume_from(trained) is True
+
+
 # -- the progress display -------------------------------------------------------------------------
 class _Stream:
     def __init__(self, tty: bool):
