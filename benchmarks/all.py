@@ -50,6 +50,8 @@ PARTS = {
     "compile_cache": (["benchmarks/compile_cache.py", "--repeats", "2"],
                       "cold vs warm compile cache, time to first sample (README: Benchmarks)"),
     "trainer": (["benchmarks/trainer.py"], "trainer step, 1 process vs 2 FSDP2 ranks (README: Benchmarks)"),
+    "envs": (["benchmarks/envs.py", "--out", "-"],
+             "the two multi-turn examples from random init, and with env.max_turns=1 (README: Multi-turn environments)"),
 }
 __doc__ += "".join(f"\n  {k:14s} {v[1]}" for k, v in PARTS.items()) + "\n"
 
@@ -230,6 +232,7 @@ TEST_BOUNDS = [  # (test file, code the test runs): each bound quoted in a block
     ("tests/test_plan.py", "assert all(abs(e) <= 0.30 for e in errs.values())"),
     ("tests/test_e2e_algorithms.py", "STEPS = 30"),
     ("tests/test_e2e_algorithms.py", "assert last5 > first5 + 0.1"),
+    ("tests/test_e2e_envs.py", "assert _mean(m[-5:]) <= 0.15"),
 ]
 
 
@@ -397,7 +400,28 @@ def block_benchmarks(doc: dict, path: Path) -> str:
     ])
 
 
-BLOCKS = {"quickstart": block_quickstart, "modes": block_modes, "plan": block_plan, "benchmarks": block_benchmarks}
+def block_envs(doc: dict, path: Path) -> str:
+    e = _part(doc, "envs")
+    runs = e["result"]["runs"]
+    head = (f"Measured from {_src(doc, path, 'envs')}, {_load(e)} over the part, seed 0: each example until its "
+            "`trainer.target_reward` (0.9, last-5 mean) or 150 steps, then the same config with `env.max_turns=1` "
+            "(the policy's first turn only) for as many steps. Measured, not tested (the suite's bound: "
+            "`tests/test_e2e_envs.py` checks the guess game's `max_turns=1` last-5 mean ≤ 0.15 after 20 steps).")
+    rows = ["| example | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "
+            "policy turns per episode at the end | `env.max_turns=1`: first 5 → last 5 |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        full, one = r["multi_turn"], r["max_turns_1"]
+        if "error" in full or "error" in one:
+            rows.append(f"| {name} | failed: see the results file | | | | |")
+            continue
+        rows.append(f"| `configs/env_{name}.yaml` | {full['wall_s']:.0f} s | {full['steps']} | "
+                    f"{full['reward_first5']:.3f} → {full['reward_last5']:.3f} | {full['turns_last']:.2f} | "
+                    f"{one['reward_first5']:.3f} → {one['reward_last5']:.3f} |")
+    return "\n".join([head, "", *rows])
+
+
+BLOCKS = {"quickstart": block_quickstart, "modes": block_modes, "plan": block_plan, "benchmarks": block_benchmarks,
+          "envs": block_envs}
 MACHINE_BLOCK = "machine"
 
 

@@ -7,7 +7,8 @@ limit), then the same config with ``env.max_turns=1`` for as many steps as the f
 policy's first turn only: no tool result, no feedback). Reported per run: wall time (Ray start and
 compilation included), steps, mean reward of the first and last 5 steps, policy turns per episode
 at the end, median step/sample/train seconds, and the machine, load and commit. Writes
-``benchmarks/results/single/envs-<machine>-<date>.json`` unless ``--out`` says otherwise; prints it.
+``benchmarks/results/single/envs-<machine>-<date>.json`` unless ``--out`` says otherwise (``-``: only
+print it, as ``benchmarks/all.py --only envs`` runs it); prints it.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def main() -> None:
         doc["runs"][name] = {"multi_turn": full, "max_turns_1": ablated}
     text = json.dumps(doc, indent=1)
     print(text)
-    out = Path(args.out) if args.out else ROOT / "benchmarks/results/single" / f"envs-{machine_slug(m)}-{doc['date']}.json"
-    out.write_text(text + "\n")
+    if args.out != "-":  # '-': stdout only (benchmarks/all.py keeps it in the day's results file)
+        out = Path(args.out) if args.out else ROOT / "benchmarks/results/single" / f"envs-{machine_slug(m)}-{doc['date']}.json"
+        out.write_text(text + "\n")
     if any("error" in r for runs in doc["runs"].values() for r in runs.values()):
         sys.exit(1)
 

@@ -182,19 +182,24 @@ def test_failed_environment_calls_end_the_episode_with_the_default_and_a_kind():
 
 def test_calculator_rules():
     assert evaluate("12*34") == 408 and evaluate("7") == 7
-    assert evaluate("1+2") is None and evaluate("12**3") is None and evaluate("9" * 20) is None
+    assert evaluate("1+2") is None and evaluate("12**3") is None and evaluate("") is None and evaluate("9" * 20) is None
     ex = {"prompt": "12*34=", "expression": "12*34", "answer": "408"}
     env = Calculator()
     env.reset(ex)
     assert env.step([], "408") == (None, 0.0, True)  # an answer without a call scores nothing
     env.reset(ex)
-    obs, r, done = env.step([], "<12*35")
-    assert (obs, done) == ("420=", False) and r == pytest.approx(0.2 * (1 + 1 / 2) / 2)  # '12' right, '3' of '34'
-    assert env.step([], "408") == (None, 0.0, True)  # right, but not backed by a right call
+    obs, r, done = env.step([], "<12*35")  # a wrong call ends the episode: no answer could score after it
+    assert (obs, done) == (None, True) and r == pytest.approx(0.2 * (0.25 + 0.75 * 3 / 5))  # '*' not counted yet
     env.reset(ex)
-    assert env.step([], "<12*3499")[1] == pytest.approx(0.2 * (1 + 2 / 4) / 2)  # extra characters cost credit
+    assert env.step([], "<12*3499")[1] == pytest.approx(0.2 * (0.25 + 0.75 * 5 / 7))  # extra characters cost credit
     env.reset(ex)
-    assert env.step([], "<1234")[1] == 0.0 and env.step([], "<**")[1] == 0.0  # not the expression's shape
+    assert env.step([], "<12<34")[1] == pytest.approx(0.2 * 0.75 * 4 / 5)  # a second '<': no share for the call
+    env.reset(ex)
+    assert env.step([], "<*****")[1] == pytest.approx(0.2 * 0.25)  # the operator alone earns nothing
+    env.reset(ex)
+    obs, r, done = env.step([], "<34*12")  # the same product: the answer counts
+    assert (obs, done) == ("408=", False) and r == pytest.approx(0.2 * 0.25)
+    assert env.step([], "408") == (None, pytest.approx(0.8), True)
     env.reset(ex)
     obs, r, done = env.step([], "<12*34")
     assert (obs, done) == ("408=", False) and r == pytest.approx(0.2)

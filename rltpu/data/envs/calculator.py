@@ -5,17 +5,32 @@
     environment  1924=         the tool's result
     policy       1924          the answer
 
-Rewards (summed over the episode, at most 1): ``call_credit`` x the call against the expression,
-operand by operand (``call_score``: a partly right call earns part, extra characters cost
-credit, a call without the operator earns nothing), then ``1 - call_credit`` x the
-answer against the true product, counted only when the tool computed the right product (the
-answer is backed by a correct call). Why the two rules: graded without a call, or after a wrong
-one, a policy from random init farms partial credit by writing digits that products often start
-with ('1111...') and never learns the call; gated, the first steps' only signal is copying the
-expression, and once calls are right the answer is a copy of the tool's result just before it.
-A tiny model cannot learn to multiply two-digit numbers in a few minutes; it can learn both
-copies, so what it reaches comes from the environment's turn: without that turn
-(``max_turns: 1``) it can earn ``call_credit`` at most.
+Rewards (summed over the episode, at most 1): ``call_credit`` x the call (a quarter for making one,
+three quarters for its expression against the prompt's: ``call_score``), then ``1 - call_credit`` x
+the answer against the true product, counted only when the tool computed it; a call that does not
+ends the episode. A tiny model cannot learn to multiply in a few minutes; it can learn to copy the
+expression into the call and the tool's result into its answer (each a copy at one fixed distance,
+which a rotary-attention head learns as in the quickstart), so what it reaches comes from the
+environment's turn: without that turn (``max_turns: 1``) it earns ``call_credit`` at most.
+
+Why these rules, each from a run that failed to learn:
+- an answer graded without a right call let a policy farm partial credit with digits products
+  often start with ('1111...') and never learn the call;
+- with the operator credited like a digit it was learned first (finding '*' is content-based, not
+  a copy at a distance) and written everywhere ('<****'), so it counts only once every digit is
+  in place;
+- without a share for the '<' about 1 first turn in 50 scored anything from random init; paid for
+  any call, the '<' was written everywhere ('<4<1<'), so it is paid only to a call with one '<';
+- an answer after a wrong call could score nothing, and its tokens were trained on the call's
+  advantage alone (noise that collapsed their entropy), so the episode ends there;
+- with one-digit operands a policy wrote either prompt digit everywhere ('<999' for '7*9': finding
+  "a digit of the prompt" is content-based too), so the bundled config uses two-digit operands.
+
+Not yet shown to learn: with these rules (seed 0, two-digit operands) the call's four digits were in
+place by about step 100 ('<695515' for '69*51'), but the operator's position had collapsed onto a
+digit before it was credited, no call was right and the reward stayed at 0.15 to step 150
+(entropy 0.01). What is open: exploration of the operator's position (an entropy floor, credit per
+token) or a call syntax without a position to explore.
 
 Use with ``task.name: calc`` (examples with ``prompt``, ``expression``, ``answer``) or any dataset
 whose rows have those columns.
@@ -26,17 +41,19 @@ from __future__ import annotations
 from rltpu.data.rewards import partial_credit
 
 MAX_CALL_CHARS = 16  # a longer "expression" is not evaluated (and big products cost nothing)
+CALL_SHARE = 0.25  # of the call's credit, for making a call (the first signal from random init)
 
 
 def call_score(call: str, expression: str) -> float:
-    """The mean position-wise credit of the call's operands against the expression's, 0 unless the
-    call has the expression's shape (as many '*'). Why operands: crediting characters in place, the
-    fixed '*' is a free share and the policy collapsed onto '<**' (seen twice); crediting digits
-    only, it wrote '688' for '6*8' (full credit, a call the tool cannot run)."""
-    got, want = call.split("*"), expression.split("*")
-    if len(got) != len(want):
-        return 0.0
-    return sum(partial_credit(g, {"answer": w}) for g, w in zip(got, want)) / len(want)
+    """The call's characters in place against the expression's, over the longer of the two (extra
+    characters cost credit, so the policy learns to stop); an operator counts only once every digit
+    is in place."""
+    digits = [i for i, ch in enumerate(expression) if ch.isdigit()]
+    hits = [i < len(call) and call[i] == ch for i, ch in enumerate(expression)]
+    score = sum(hits[i] for i in digits)
+    if all(hits[i] for i in digits):
+        score += sum(hits) - len(digits)
+    return score / max(len(call), len(expression), 1)
 
 
 def evaluate(expression: str) -> int | None:
@@ -69,10 +86,13 @@ class Calculator:
         if completion.startswith("<") and not self.called:
             self.called = True
             expression = completion[1:]
-            reward = self.call_credit * call_score(expression, self.example["expression"])
+            share = CALL_SHARE if "<" not in expression else 0.0
+            reward = self.call_credit * (share + (1 - CALL_SHARE) * call_score(expression, self.example["expression"]))
             result = evaluate(expression)
             self.right = result is not None and str(result) == self.example["answer"]
-            return ("" if result is None else str(result)) + "=", reward, False
-        if not self.right:  # no call, or a call that did not compute the product
+            if not self.right:  # a wrong call ends the episode: no answer could score after it
+                return None, reward, True
+            return f"{result}=", reward, False
+        if not self.right:  # an answer without a call
             return None, 0.0, True
         return None, (1 - self.call_credit) * partial_credit(completion, {"answer": self.example["answer"]}), True
