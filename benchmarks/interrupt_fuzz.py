@@ -202,7 +202,7 @@ def main() -> int:
         from collections import Counter
 
         planned = sum(i % shards == shard and (only is None or i in only) for i in range(len(plan)))
-        return {**meta, "trials_planned": planned, "trials": len(results),
+        return {**meta, "trials_planned": planned, "plan_size": len(plan), "trials": len(results),
                 "clean": sum(not r["problems"] for r in results), "steps": args.steps,
                 "max_delay_s": round(max_delay, 1), "phases": sorted({r.get("phase", "?") for r in results}),
                 "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
@@ -239,18 +239,29 @@ def main() -> int:
 
 
 def merge(args) -> int:
-    """One document from the shards' documents (trials sorted; counts recomputed)."""
+    """One document from the shards' documents (trials sorted; counts recomputed). A trial in a later
+    file replaces the same trial of an earlier one (a rerun with ``--only``); what it replaced is kept
+    under ``superseded``, and the planned count is the plan's, not the files' sum."""
     from collections import Counter
 
     docs = [json.loads(Path(f).read_text()) for f in args.merge]
-    results = sorted((r for d in docs for r in d["results"]), key=lambda r: r["trial"])
+    by_trial: dict[int, dict] = {}
+    superseded = []
+    for d in docs:
+        for r in d["results"]:
+            if r["trial"] in by_trial:
+                superseded.append(by_trial[r["trial"]] | {"commit": by_trial[r["trial"]].get("commit")})
+            by_trial[r["trial"]] = r | {"commit": d.get("commit")}
+    results = [by_trial[k] for k in sorted(by_trial)]
     first = docs[0]
     doc = {k: v for k, v in first.items() if k not in ("results", "shard", "base_dir", "command", "wall_s",
                                                         "loadavg_now", "load_during", "trials_planned")}
-    doc |= {"shards": [{k: d.get(k) for k in ("shard", "command", "commit", "dirty", "base_dir", "started",
-                                               "wall_s", "loadavg_before", "loadavg_now", "load_during",
-                                               "trials_planned", "trials", "clean")} for d in docs],
-            "trials_planned": sum(d["trials_planned"] for d in docs), "trials": len(results),
+    keys = ("shard", "command", "commit", "dirty", "base_dir", "started", "wall_s", "loadavg_before", "loadavg_now",
+            "load_during", "trials_planned", "trials", "clean", "only")
+    doc |= {"shards": [s for d in docs for s in (d["shards"] if "shards" in d else [{k: d.get(k) for k in keys}])],
+            "trials_planned": max(d.get("plan_size", d["trials_planned"]) for d in docs)
+            if any("plan_size" in d for d in docs) else sum(d["trials_planned"] for d in docs),
+            "trials": len(results), "superseded": superseded,
             "clean": sum(not r["problems"] for r in results),
             "phases": sorted({r.get("phase", "?") for r in results}),
             "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),

@@ -271,7 +271,8 @@ class TrainerEngine:
         return stats
 
     def grads(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Full (unsharded) gradients of the loss on ``batch``; for FSDP-vs-single-process checks."""
+        """Full (unsharded) gradients of the loss on ``batch`` (trainable parameters only); for
+        FSDP-vs-single-process checks."""
         self.optimizer.zero_grad(set_to_none=True)
         for rows, lo, hi in self._plan(batch):
             out, _ = self.loss(slice_batch(batch, rows, lo, hi))
@@ -279,6 +280,8 @@ class TrainerEngine:
         grads = {}
         for name, p in self.model.named_parameters():
             g = p.grad
+            if g is None and not p.requires_grad:  # frozen (a LoRA base)
+                continue
             grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
         self.optimizer.zero_grad(set_to_none=True)
         return grads

@@ -133,6 +133,34 @@ def test_fsdp_two_ranks_match_single_process_grads_and_step():
     assert [res[r]["stats"]["tokens"] for r in (0, 1)] == tokens
 
 
+def test_fsdp_two_ranks_match_single_process_with_lora():
+    """LoRA under FSDP2 (frozen sharded base, trainable adapters): the adapters' gradients and update
+    over 2 ranks equal one process's; the base does not move and has no gradient."""
+    from rltpu.config import LoraConfig
+
+    tcfg = TCFG.model_copy(update={"lora": LoraConfig(rank=4, alpha=8.0), "kl_coef": 0.0, "ppo_epochs": 1})
+    batch = synthetic_batch(1)
+    single = TrainerEngine(MCFG, tcfg, V, SEED, TEMPERATURE)
+    init = _params(single)
+    want_grads = {k: v.numpy() for k, v in single.grads(_global(batch)).items()}
+    want_stats = single.train_step(_global(batch))
+    want_params = _params(single)
+    adapters = [k for k in init if ".lora_" in k]
+    assert sorted(want_grads) == sorted(adapters) and adapters
+    assert any(np.abs(g).max() > 0 for k, g in want_grads.items() if "lora_B" in k)  # B = 0: only B moves first
+    res = _spawn(2, batch, tcfg)
+    for rank in (0, 1):
+        r = res[rank]
+        assert sorted(r["grads"]) == sorted(adapters)
+        for name, g in want_grads.items():
+            np.testing.assert_allclose(r["grads"][name], g, rtol=1e-5, atol=1e-7, err_msg=name)
+        for name, p in want_params.items():
+            np.testing.assert_allclose(r["params"][name], p, rtol=1e-5, atol=1e-7, err_msg=name)
+            if ".lora_" not in name:
+                assert np.array_equal(p, init[name]), name  # the base is frozen
+        assert r["stats"]["grad_norm"] == pytest.approx(want_stats["grad_norm"], rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 
