@@ -29,8 +29,12 @@ Why these rules, each from a run that failed to learn:
 Not yet shown to learn: with these rules (seed 0, two-digit operands) the call's four digits were in
 place by about step 100 ('<695515' for '69*51'), but the operator's position had collapsed onto a
 digit before it was credited, no call was right and the reward stayed at 0.15 to step 150
-(entropy 0.01). What is open: exploration of the operator's position (an entropy floor, credit per
-token) or a call syntax without a position to explore.
+(entropy 0.01). A call of the operands' digits only ('<3752' for 37 x 52, the tool splitting them
+in halves; tried, not bundled) got further: right calls from about step 60, then a mean reward of
+0.37-0.47 from step 100 to 180 with the policy's entropy at 0.02-0.04 (it had settled on a wrong
+fourth digit for half the prompts and on answers with extra digits). Every variant so far ends in
+that kind of collapse before the task is learned; what is open is exploration (an entropy floor, a
+KL to the initial policy, credit per token instead of per episode).
 
 Use with ``task.name: calc`` (examples with ``prompt``, ``expression``, ``answer``) or any dataset
 whose rows have those columns.
