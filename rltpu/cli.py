@@ -86,7 +86,10 @@ def cmd_train(args) -> int:
               f"(--resume also starts from step 0 here)", file=sys.stderr, flush=True)
         return INTERRUPTS.exit_code()
     finally:
-        INTERRUPTS.restore()
+        if INTERRUPTS.received or INTERRUPTS.late:  # already answered with its line: a second one is ignored
+            INTERRUPTS.ignore()
+        else:  # the process's last moments (interpreter and library exit hooks): a signal still gets its line
+            INTERRUPTS.exit_on_signal("while exiting, after the command had ended (nothing was left to save)")
 
 
 def resume_from(run_dir: Path) -> bool:
@@ -159,14 +162,19 @@ def _train(args, interrupts) -> int:
               f"traceback)", file=sys.stderr, flush=True)
         return 1
     finally:
-        interrupts.ignore()  # shutting down: a second signal must not cut it short
+        interrupts.hold()  # shutting down: a signal must not cut it short; a finished run reports it below
         controller.shutdown(end)
     if controller.steps_run:
         last = records[-5:]
         mean = sum(r["reward_mean"] for r in last) / len(last)
         chips = "emulated chips" if controller.emulated else "TPU chips"
         print(f"rltpu: done: {controller.steps_run} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
-              f"run dir {controller.run_dir}")
+              f"run dir {controller.run_dir}", flush=True)
+    if interrupts.late:  # the run had finished when it came: nothing to resume, but the signal is answered
+        print(f"rltpu: stopped by {interrupts.late_name()} while shutting down after the last step; the run had "
+              f"finished (final checkpoint in {controller.run_dir / 'checkpoint'}; nothing to resume)",
+              file=sys.stderr, flush=True)
+        return interrupts.late_exit_code()
     return 0
 
 

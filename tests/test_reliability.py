@@ -377,6 +377,35 @@ def test_a_swallowed_interrupt_is_raised_again_at_the_next_check():
     assert held and it2.exit_code() == 143
 
 
+_LATE_CHILD = """
+import os, signal, sys, time
+from rltpu.control.interrupts import Interrupts
+it = Interrupts()
+it.install()
+it.hold()  # a shutdown after a finished run: a signal is remembered, not raised
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.2)
+print("held", it.late == [signal.SIGINT], it.late_exit_code(), flush=True)
+it.exit_on_signal("while exiting")  # the last moments: a signal ends the process with its line
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_a_signal_as_a_run_ends_is_answered_with_its_exit_code_and_one_line():
+    """Seen in the interrupt fuzz when a signal landed as a 4-step run ended: SIGINT during the shutdown
+    was ignored (exit 0, no line), SIGTERM after the command returned killed the driver (exit -15, no
+    line). Now the shutdown remembers it and the last moments answer it: 143 and one line."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-c", _LATE_CHILD], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.stdout.splitlines() == ["held True 130"], res.stdout + res.stderr
+    assert res.returncode == 143, res.stderr
+    assert res.stderr.strip().splitlines() == ["rltpu: stopped by SIGTERM while exiting"], res.stderr
+
+
 _HANGUP_CHILD = """
 import os, signal, sys, time
 from rltpu.control.interrupts import Interrupts

@@ -9,7 +9,12 @@ stdout/stderr at /dev/null first, so the stop path's output cannot break the che
 ``deferred()`` holds a signal that arrives during a few statements that must happen together (a
 step's batch reaching the trainers, the step count and its ledger line) and raises it right after.
 ``ignore()`` is for the stop path itself: once a checkpoint is being written, a second signal must
-not cut it short (SIGKILL still can).
+not cut it short (SIGKILL still can). ``hold()`` is for the shutdown after a run that finished or
+failed: a signal is remembered (``late``) and reported once the shutdown is done, so it neither cuts
+the shutdown short nor goes unanswered (ignored, a finished run exited 0 as if no signal came).
+``exit_on_signal()`` covers the last moments, after the CLI's command returned: a signal then ends
+the process at once with its exit code and one line (the default SIGTERM action killed it with no
+line and exit -15; both seen in the interrupt fuzz when a signal landed as a 4-step run ended).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def _detach(fds: list[int]) -> None:
 class Interrupts:
     def __init__(self):
         self.received: list[int] = []
+        self.late: list[int] = []  # signals that arrived while ``hold`` was on (a shutdown)
         self._depth = 0
         self._pending = False
         self._unacknowledged = False
@@ -105,6 +111,46 @@ class Interrupts:
                 if s not in self._previous:  # a nohup-ignored SIGHUP: restore() must leave it ignored
                     self._previous[s] = signal.getsignal(s)
                 signal.signal(s, signal.SIG_IGN)
+
+    def _set_all(self, action) -> None:
+        """Every signal -> ``action``, remembering what was there for ``restore``; a SIGHUP that was
+        ignored (nohup) stays ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in SIGNALS:
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN and \
+                    self._previous.get(s, signal.SIG_IGN) == signal.SIG_IGN:
+                continue
+            prev = signal.signal(s, action)
+            self._previous.setdefault(s, prev)
+
+    def _remember(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            _detach(self._terminal)
+        self.late.append(signum)
+
+    def hold(self) -> None:
+        """Shutting down: a signal is remembered in ``late``, never raised."""
+        self._set_all(self._remember)
+
+    def late_name(self) -> str:
+        return signal.Signals(self.late[0]).name
+
+    def late_exit_code(self) -> int:
+        return EXIT_CODES.get(self.late[0], 130)
+
+    def exit_on_signal(self, what: str) -> None:
+        """From now to the process's end a signal prints ``rltpu: stopped by <SIGNAL> <what>`` and
+        exits at once with its code (nothing is left to save: the command has returned)."""
+        def _exit(signum, frame):
+            if signum == signal.SIGHUP:
+                _detach(self._terminal)
+            try:
+                print(f"rltpu: stopped by {signal.Signals(signum).name} {what}", file=sys.stderr, flush=True)
+            finally:
+                os._exit(EXIT_CODES.get(signum, 130))
+
+        self._set_all(_exit)
 
     def restore(self) -> None:
         if threading.current_thread() is threading.main_thread():
