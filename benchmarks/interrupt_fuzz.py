@@ -119,7 +119,8 @@ def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path
         problems.append(f"{len(stops)} stop lines")
     else:
         res["line"] = stops[0][stops[0].index("rltpu:"):]
-        m = re.search(r"\(in (\w+)\)|during start-up \((\w[\w ]*)\)|(before anything ran)", stops[0])
+        m = re.search(r"\(in (\w+)\)|during start-up \((\w[\w ]*)\)|(before anything ran)|while (shutting down|exiting)",
+                      stops[0])
         res["phase"] = next((g for g in (m.groups() if m else ()) if g), "start-up" if "start-up" in stops[0] else "?")
     from learner.checkpoint import latest_valid, verify_checkpoint
 
