@@ -153,6 +153,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20, help="moments per signal (each: progress on and off alternate)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--tail", type=int, default=0,
+                    help="extra steps each run trains after the planned moments (the moments stay those of --steps): "
+                         "on an idle machine a step takes about 1 s, so a moment up to --step-window s after the last "
+                         "planned step can fall after a --steps run ended")
     ap.add_argument("--moments", choices=("steps", "time"), default="steps",
                     help="steps (default): a random step k in 0..steps-1, the signal a random 0..--step-window s after "
                          "step k's metrics line (k=0: 1..--startup-window s after launch), so the step phases are hit "
@@ -204,7 +208,7 @@ def main() -> int:
 
         planned = sum(i % shards == shard and (only is None or i in only) for i in range(len(plan)))
         return {**meta, "trials_planned": planned, "plan_size": len(plan), "trials": len(results),
-                "clean": sum(not r["problems"] for r in results), "steps": args.steps,
+                "clean": sum(not r["problems"] for r in results), "steps": args.steps, "tail": args.tail,
                 "max_delay_s": round(max_delay, 1), "phases": sorted({r.get("phase", "?") for r in results}),
                 "phase_counts": dict(Counter(r.get("phase", "?") for r in results)),
                 "wall_s": round(time.time() - t0, 1), "loadavg_now": A.loadavg(), "load_during": load.summary(),
@@ -224,7 +228,7 @@ def main() -> int:
     for i, (sig, progress) in enumerate(plan):
         if i % shards != shard or (only is not None and i not in only):
             continue
-        results.append(trial(i, sig, progress, moments[i][1], args.steps, base, after_step=moments[i][0]))
+        results.append(trial(i, sig, progress, moments[i][1], args.steps + args.tail, base, after_step=moments[i][0]))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         out.write_text(json.dumps(document(), indent=1))
     load.stop.set()
