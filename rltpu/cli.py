@@ -62,7 +62,25 @@ def preflight_real_chips(cfg, address: str | None) -> None:
             decide(role, False, cfg.backend)
 
 
+def _exit_now(code: int) -> None:
+    """End ``rltpu train`` at once: everything is saved and closed, and the interpreter's own exit
+    (library exit hooks, module teardown) is a window where a signal can no longer run a Python
+    handler, so a SIGTERM there was lost (exit 0) or, after Ray reset its action, killed the
+    driver (exit -15) with no line."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def cmd_train(args) -> int:
+    """``rltpu train``; ends the process itself once the run is saved and closed (``_exit_now``)."""
+    _exit_now(_cmd_train(args))
+
+
+def _cmd_train(args) -> int:
     """One interrupt path: SIGINT, SIGTERM or SIGHUP at any point (start-up, sample, train, sync,
     checkpoint) -> ``Controller.stop_on_interrupt`` (checkpoint) -> one line, exit 130 / 143 / 129."""
     import signal
@@ -163,7 +181,7 @@ def _train(args, interrupts) -> int:
         return 1
     finally:
         interrupts.hold()  # shutting down: a signal must not cut it short; a finished run reports it below
-        controller.shutdown(end)
+        controller.shutdown(end)  # keeps the handlers through ray.shutdown (placement.py)
     if controller.steps_run:
         last = records[-5:]
         mean = sum(r["reward_mean"] for r in last) / len(last)

@@ -618,7 +618,7 @@ class Controller:
                     data_before, step_before = self.rollouts.drop(self.data), self.step_idx
                 self.supervisor.recover(err, data_before, step_before)
             self.supervisor.maybe_write_trace()  # throttled; a failed write is a warning
-        self.writer.close()
+        self._close_writer()
         return list(records)
 
     # -- held-out evaluation (eval:) -----------------------------------------------------------------
@@ -713,6 +713,7 @@ class Controller:
             self.writer = None
 
     def shutdown(self, state: str = "finished") -> None:
+        self._close_writer()  # a failed run's loggers too (the CLI ends the process without exit hooks)
         self.supervisor.stop(state)
         if self.rewards is not None:
             self.rewards.shutdown()

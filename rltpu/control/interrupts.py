@@ -152,6 +152,16 @@ class Interrupts:
 
         self._set_all(_exit)
 
+    def reassert(self) -> None:
+        """Install again, at the C level, the handlers Python believes are installed (a library's C
+        code can reset a signal's action behind Python's back: Ray's core worker does for SIGTERM)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in SIGNALS:
+            handler = signal.getsignal(s)
+            if callable(handler):
+                signal.signal(s, handler)
+
     def restore(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for s, prev in self._previous.items():

@@ -295,7 +295,29 @@ class Placement:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
-        ray.shutdown()
+        _shutdown_keeping_signal_handlers(ray)
         from rltpu.chips.cluster import stop_emulated_nodes
 
         stop_emulated_nodes()  # the emulated worker nodes this process started, if any
+
+
+def _shutdown_keeping_signal_handlers(ray) -> None:
+    """``ray.shutdown()``, with the driver's signal handlers put back as soon as its core worker has
+    disconnected: that puts SIGTERM's C-level action back to the default while Python still shows
+    ours, and the rest of the shutdown (stopping the embedded cluster's processes, about a second)
+    was a window where a SIGTERM killed the driver with no line (exit -15). Measured with the CLI:
+    SIGTERM 1-2 s after the last step."""
+    from rltpu.control.interrupts import INTERRUPTS
+
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    real = getattr(node, "kill_all_processes", None)
+    if real is not None:
+        def kill_all_processes(*args, **kwargs):
+            INTERRUPTS.reassert()
+            return real(*args, **kwargs)
+
+        node.kill_all_processes = kill_all_processes
+    try:
+        ray.shutdown()
+    finally:
+        INTERRUPTS.reassert()
