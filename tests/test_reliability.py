@@ -406,6 +406,30 @@ def test_a_signal_as_a_run_ends_is_answered_with_its_exit_code_and_one_line():
     assert res.stderr.strip().splitlines() == ["rltpu: stopped by SIGTERM while exiting"], res.stderr
 
 
+def test_rays_processes_start_with_sighup_ignored():
+    """A closed terminal sends SIGHUP to the whole foreground process group: Ray's processes (started
+    during ray.init, and the workers their raylet starts) died of it before the driver could
+    checkpoint, and ray.shutdown then hung (seen in tmux). They now inherit SIGHUP as ignored; the
+    driver's own handler is back afterwards."""
+    import re
+    import signal
+    import subprocess
+
+    from rltpu.chips.cluster import _keep_sigterm_handler
+
+    before = signal.getsignal(signal.SIGHUP)
+    with _keep_sigterm_handler():  # what ray.init runs inside
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        status = Path(f"/proc/{child.pid}/status").read_text()
+    finally:
+        child.kill()
+        child.wait()
+    ignored = int(re.search(r"SigIgn:\s*([0-9a-f]+)", status).group(1), 16)
+    assert ignored & (1 << (signal.SIGHUP - 1))
+    assert signal.getsignal(signal.SIGHUP) == before
+
+
 _HANGUP_CHILD = """
 import os, signal, sys, time
 from rltpu.control.interrupts import Interrupts

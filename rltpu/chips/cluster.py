@@ -95,7 +95,7 @@ def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str
 
 def _keep_sigterm_handler():
     """While Ray starts, keep the caller's SIGTERM handler (the CLI's: checkpoint, exit 143) instead
-    of the ``sys.exit`` one ``ray.init`` installs."""
+    of the ``sys.exit`` one ``ray.init`` installs, and start Ray's processes with SIGHUP ignored."""
     import contextlib
     import signal
     import threading
@@ -106,9 +106,14 @@ def _keep_sigterm_handler():
             yield
             return
         ours = signal.getsignal(signal.SIGTERM)
+        # the cluster's processes (raylet, GCS, and the workers the raylet starts) inherit SIGHUP as
+        # ignored: a closed terminal sends it to the whole foreground process group, and Ray's
+        # processes died of it before the driver could checkpoint (then ray.shutdown hung)
+        hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
         try:
             yield
         finally:
+            signal.signal(signal.SIGHUP, hup if hup is not None else signal.SIG_DFL)
             if callable(ours):
                 signal.signal(signal.SIGTERM, ours)
 
