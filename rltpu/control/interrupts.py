@@ -99,11 +99,7 @@ class Interrupts:
         if threading.current_thread() is not threading.main_thread():
             return
         self._terminal = self._terminal or _terminal_fds()
-        for s in SIGNALS:
-            if s == signal.SIGHUP and s not in self._previous and signal.getsignal(s) == signal.SIG_IGN:
-                continue
-            prev = signal.signal(s, self.handler)
-            self._previous.setdefault(s, prev)
+        self._set_all(self.handler)
 
     def ignore(self) -> None:
         if threading.current_thread() is threading.main_thread():
