@@ -229,7 +229,7 @@ TEST_BOUNDS = [  # (test file, code the test runs): each bound quoted in a block
     ("tests/test_e2e.py", 'assert all(r["compiles"] == 0 for r in m[1:])'),
     ("tests/test_e2e.py", "max(probes) <= 1e-4"),
     ("tests/test_e2e_modes.py", "last5 >= 0.8"),
-    ("tests/test_plan.py", "assert all(abs(e) <= 0.30 for e in errs.values())"),
+    ("tests/test_plan.py", "assert all(abs(e) <= 0.50 for e in errs.values())"),
     ("tests/test_e2e_algorithms.py", "STEPS = 30"),
     ("tests/test_e2e_algorithms.py", "assert last5 > first5 + 0.1"),
     ("tests/test_e2e_envs.py", "assert _mean(m[-5:]) <= 0.15"),
@@ -362,8 +362,9 @@ def block_plan(doc: dict, path: Path) -> str:
     head = (f"The quickstart on this machine, from {_src(doc, path, only)}: `rltpu plan configs/quickstart.yaml "
             f"--hardware cpu --rebench --against RUN` with the micro-benchmark measured in the part (load "
             f"{mb.get('load_avg_1m', float('nan')):.1f} when it started), RUN being {run}; medians of steps "
-            f"2–{res['steps']}. Measured, not tested: `tests/test_plan.py` checks |error| ≤ 30% for sample, "
-            f"train and sync against a 20-step run.")
+            f"2–{res['steps']}. These errors are measured, not tested: `tests/test_plan.py` checks "
+            f"|error| ≤ 50% for sample, train and sync against a 20-step run (a cost-model bound: the same "
+            f"code timed minutes apart on this shared VM drifts by up to ~30%).")
     out = [head, "", "| phase | predicted | measured | error |", "|---|---|---|---|"]
     for name in ("sample", "train", "sync", "step"):
         r = ph[name]
