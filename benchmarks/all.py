@@ -52,6 +52,8 @@ PARTS = {
     "trainer": (["benchmarks/trainer.py"], "trainer step, 1 process vs 2 FSDP2 ranks (README: Benchmarks)"),
     "envs": (["benchmarks/envs.py", "--out", "-"],
              "the two multi-turn examples from random init, and with env.max_turns=1 (README: Multi-turn environments)"),
+    "lora": (["benchmarks/lora.py", "--out", "-"],
+             "the quickstart full-parameter and with LoRA rank 8 through rltpu train (README: LoRA)"),
 }
 __doc__ += "".join(f"\n  {k:14s} {v[1]}" for k, v in PARTS.items()) + "\n"
 
@@ -421,8 +423,30 @@ def block_envs(doc: dict, path: Path) -> str:
     return "\n".join([head, "", *rows])
 
 
+def block_lora(doc: dict, path: Path) -> str:
+    e = _part(doc, "lora")
+    runs = e["result"]["runs"]
+    head = (f"Measured from {_src(doc, path, 'lora')}, {_load(e)} over the part, seed 0: `rltpu train "
+            "configs/quickstart.yaml` until its `trainer.target_reward` (0.95, last-5 mean) or 100 steps, as configured "
+            "and with `trainer.lora.rank=8 trainer.lr=3e-3` (default targets: the seven projections and `lm_head`). "
+            "Bytes per sync: what each step's sync moved (the start-up sync, before step 1, sends the base too). "
+            "Measured, not tested (the suite's bound: `tests/test_e2e_lora.py` checks that a LoRA run's reward rises "
+            "and that every step's sync is adapter-only, the bytes equal to the adapters' by hand).")
+    rows = ["| run | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "
+            "bytes per sync (each step) | median step | median sync |", "|---|---|---|---|---|---|---|"]
+    names = {"full": "full-parameter", "lora_rank8": "LoRA rank 8, lr 3e-3"}
+    for name, r in runs.items():
+        if "error" in r:
+            rows.append(f"| {names.get(name, name)} | failed: see the results file | | | | | |")
+            continue
+        b = ", ".join(f"{x:,}" for x in r["sync_bytes"]) + (" (adapters only)" if r["adapter_only_every_step"] else "")
+        rows.append(f"| {names.get(name, name)} | {r['wall_s']:.0f} s | {r['steps']} | {r['reward_first5']:.3f} → "
+                    f"{r['reward_last5']:.3f} | {b} | {r['step_s']:.3f} s | {r['sync_s']:.4f} s |")
+    return "\n".join([head, "", *rows])
+
+
 BLOCKS = {"quickstart": block_quickstart, "modes": block_modes, "plan": block_plan, "benchmarks": block_benchmarks,
-          "envs": block_envs}
+          "envs": block_envs, "lora": block_lora}
 MACHINE_BLOCK = "machine"
 
 

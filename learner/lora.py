@@ -46,7 +46,8 @@ def add_lora(model: nn.Module, lora) -> list[str]:
     Call before FSDP2 wraps the model. Returns the adapter parameter names."""
     targets = set(lora.target_modules)
     for name, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and name.rsplit(".", 1)[-1] in targets and name.startswith("model.layers."):
+        if type(mod) is nn.Linear and name.rsplit(".", 1)[-1] in targets and (name.startswith("model.layers.")
+                                                                               or name == "lm_head"):
             dev, dt = mod.weight.device, mod.weight.dtype
             mod.lora_A = nn.Linear(mod.in_features, lora.rank, bias=False, device=dev, dtype=dt)
             mod.lora_B = nn.Linear(lora.rank, mod.out_features, bias=False, device=dev, dtype=dt)

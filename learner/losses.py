@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rltpu.models.torch_llama import head_logits
+
 ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -310,9 +312,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 def _logp_entropy(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None, temperature: float,
                   with_entropy: bool):
-    """One chunk: (N, H) hidden states and the head's weight (V, H), or (N, V) logits when ``weight``
+    """One chunk: (N, H) hidden states and the head's weight (V, H) (or ``(W, A, B, scale)`` with a LoRA
+    adapter on the head: ``head_logits``), or (N, V) logits when ``weight``
     is None -> logprobs of ``targets`` (N,) [and entropies (N,)], fp32."""
-    z = x if weight is None else torch.nn.functional.linear(x, weight)
+    z = x if weight is None else head_logits(x, weight)
     logp = torch.log_softmax(z.float() / temperature, dim=-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -325,7 +328,7 @@ def token_logprobs_entropy(x: torch.Tensor, targets: torch.Tensor, temperature: 
     """Per-token logprobs of ``targets`` (and, with ``with_entropy``, the entropy) under
     ``softmax(logits / temperature)``, computed ``chunk_tokens`` tokens at a time.
 
-    ``x`` is either the logits (..., V) or, with ``weight`` (V, H) given, the hidden states (..., H)
+    ``x`` is either the logits (..., V) or, with ``weight`` (V, H) (or ``(W, A, B, scale)``) given, the hidden states (..., H)
     that the LM head turns into logits chunk by chunk, so the (tokens, V) logits never exist whole.
     ``targets`` has ``x``'s leading shape; returns fp32 tensors of that shape.
 
@@ -343,7 +346,9 @@ def token_logprobs_entropy(x: torch.Tensor, targets: torch.Tensor, temperature: 
     if chunk_tokens <= 0 or n <= chunk_tokens:
         out = _logp_entropy(flat_x, flat_t, weight, temperature, with_entropy)
     else:
-        grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
+        ws = weight if isinstance(weight, tuple) else (weight,)
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(isinstance(w, torch.Tensor) and w.requires_grad
+                                                                   for w in ws))
         parts = []
         for lo in range(0, n, chunk_tokens):
             args = (flat_x[lo:lo + chunk_tokens], flat_t[lo:lo + chunk_tokens], weight, temperature, with_entropy)

@@ -401,6 +401,9 @@ class SamplerConfig(_Section):
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the LM head too, by default: where it is untied it adapts like a projection (a frozen random head, as in the
+# seeded quickstart, caps how confident the policy can get); tied to the embeddings it has no module of its own
+LORA_DEFAULT_TARGETS = (*LORA_TARGETS, "lm_head")
 
 
 class LoraConfig(_Section):
@@ -410,7 +413,7 @@ class LoraConfig(_Section):
     rank: int = 8
     alpha: float = 16.0  # the update is scaled by alpha / rank (the PEFT convention)
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, training only
-    target_modules: tuple[str, ...] = LORA_TARGETS  # HF projection names; default: all seven
+    target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS  # HF names; default: all seven projections + lm_head
     # how the sampler applies the adapters: "merged" = W + s B A computed once per sync (decode runs
     # the base program); "lowrank" = x W^T + s (x A^T) B^T inside the compiled program
     sampler_apply: Literal["merged", "lowrank"] = "merged"
@@ -421,11 +424,11 @@ class LoraConfig(_Section):
             raise ValueError(f"lora.rank={self.rank} must be a positive integer (e.g. trainer.lora.rank=8)")
         if self.alpha <= 0:
             raise ValueError(f"lora.alpha={self.alpha} must be > 0 (the update is scaled by alpha / rank)")
-        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
+        bad = [m for m in self.target_modules if m not in LORA_DEFAULT_TARGETS]
         if bad or not self.target_modules:
             raise ValueError(f"lora.target_modules has {bad[0]!r}, not a projection of this model family; "
-                             f"use some of {', '.join(LORA_TARGETS)}" if bad else
-                             f"lora.target_modules is empty; use some of {', '.join(LORA_TARGETS)}")
+                             f"use some of {', '.join(LORA_DEFAULT_TARGETS)}" if bad else
+                             f"lora.target_modules is empty; use some of {', '.join(LORA_DEFAULT_TARGETS)}")
         return self
 
     @property
@@ -714,6 +717,10 @@ def _check_env(cfg: "RunConfig") -> None:
 
 def _check_lora(cfg: "RunConfig") -> None:
     """What LoRA does not run with yet, each refused in one line before Ray starts."""
+    lora = cfg.trainer.lora
+    if "lm_head" in lora.target_modules and "target_modules" in lora.model_fields_set and cfg.model.tie_word_embeddings:
+        raise ValueError("trainer.lora.target_modules has 'lm_head', but this model ties it to the embeddings "
+                         "(tie_word_embeddings); remove lm_head from the list")
     if cfg.critic is not None:
         raise ValueError("trainer.lora with PPO's critic is not supported (the critic would train a full copy "
                          "of the base); use a critic-free algorithm (grpo, rloo, ...) or remove trainer.lora")

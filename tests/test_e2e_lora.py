@@ -2,9 +2,10 @@
 only the adapters' bytes, the sampler's logits equal the trainer's after syncs, nothing recompiles,
 the checkpoint holds adapters only. Marked ``slow``.
 
-That it *learns* (issue 20 acceptance 2) is not shown yet: at lr 1e-2, rank 8, 100 steps stayed at a
-mean reward of ~0.15-0.2 (full suite, 2026-12-01); ``check_lora_run(..., learns=True)`` checks it on a
-run by hand."""
+That it learns to the end (issue 20 acceptance 2: last-5 >= 0.8) is the benchmark's figure
+(``python benchmarks/all.py --only lora``, about 80 steps); here the reward must rise over the 8 steps
+(it stays flat at the initial ~0.05 when the sampler does not get the adapters).
+``check_lora_run(..., learns=True)`` checks a long run by hand."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-# LoRA's usual 10x the full-parameter lr (the quickstart's 1e-3): see README, LoRA
-OVERRIDES = ("trainer.lora.rank=8", "trainer.lr=1e-2", "sync.verify_every=4", "trainer.steps=8",
+# LoRA's usual higher lr (3x the quickstart's 1e-3): see README, LoRA
+OVERRIDES = ("trainer.lora.rank=8", "trainer.lr=3e-3", "sync.verify_every=4", "trainer.steps=8",
              "trainer.target_reward=null")
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,8 @@ def check_lora_run(run_dir: Path, learns: bool = False) -> dict:
     last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
     if learns:
         assert first5 <= 0.2 and last5 >= 0.8, (first5, last5)
+    curve = [r["reward_mean"] for r in m]
+    assert sum(curve[-3:]) / 3 >= sum(curve[:3]) / 3 + 0.01, curve  # the sampled policy improves
     want = adapter_sync_bytes(run_dir)
     assert all(r["sync_adapter_only"] is True and r["sync_bytes"] == want for r in m), (want, m[-1]["sync_bytes"])
     probes = [r["sync_probe_max_diff"] for r in m if r["sync_probe_max_diff"] is not None]

@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 V, PAD, EOS, SEED = 17, 0, 2, 0
 MCFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=64, init_std=0.2)
-LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+# lm_head too (untied here): its adapter runs through the trainer's chunked logprob path and the sampler's
+# merged / low-rank head, and exports like a projection's
+LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head"))
 # kl_coef > 0: the loss reads the reference, which with LoRA is the base with adapters off
 TCFG = TrainerConfig(lr=2e-2, kl_coef=0.05, lora=LORA)
 
@@ -62,6 +64,15 @@ def test_lora_starts_at_the_base_and_trains_only_adapters():
     for _ in range(2):
         eng.train_step(b)
     after = eng.full_state_dict()
+    # the same gradients with the LM head (and its adapter) applied 7 tokens at a time under checkpointing
+    from learner.lora import load_adapters
+
+    chunked = TrainerEngine(MCFG, TCFG.model_copy(update={"logprob_chunk_tokens": 7}), V, SEED)
+    load_adapters(chunked.model, {k: v for k, v in after.items() if is_adapter(k)})
+    want, got = eng.grads(b), chunked.grads(b)
+    assert set(got) == names and all(want[k].abs().max() > 0 for k in ("lm_head.lora_A.weight", "lm_head.lora_B.weight"))
+    for k in names:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7)
     moved = {k for k in after if not torch.equal(after[k], before[k])}
     assert moved == names  # A and B both moved (B from 0), nothing else
     assert all(p.grad is None for n, p in eng.model.named_parameters() if n not in names)
@@ -92,6 +103,7 @@ def test_adapter_spec_is_what_later_syncs_move():
     r = LORA.rank
     by_hand = MCFG.num_hidden_layers * (r * 32 + 32 * r + r * 32 + 16 * r + r * 32 + 32 * r + r * 32 + 64 * r
                                         + r * 64 + 32 * r) * 4  # q, v (kv 2 x hd 8 = 16), o, up, down
+    by_hand += (r * 32 + V * r) * 4  # lm_head [V, 32]
     assert want == by_hand
     for n_trainers in (1, 2):
         sent = sum(m.nbytes for rank in range(n_trainers) for m in plan_stream(ad, n_trainers, rank, 2**20))
@@ -202,7 +214,8 @@ def test_checkpoint_resume_and_export_round_trip(tmp_path, base):
 
 @pytest.mark.parametrize("override,needle", [
     (["trainer.lora.rank=0"], "lora.rank=0 must be a positive integer"),
-    (["trainer.lora.target_modules=[q_proj,lm_head]"], "'lm_head', not a projection"),
+    (["trainer.lora.target_modules=[q_proj,embed_tokens]"], "'embed_tokens', not a projection"),
+    (["model.tie_word_embeddings=true", "trainer.lora.target_modules=[q_proj,lm_head]"], "ties it to the embeddings"),
     (["trainer.algorithm=ppo", "critic.lr=1e-3", "trainer.lora.rank=8"], "PPO's critic is not supported"),
     (["placement.chips_per_trainer=2", "trainer.lora.rank=8"], "tensor parallelism"),
 ])
@@ -242,3 +255,7 @@ def test_plan_costs_lora_memory_and_sync_by_hand():
     moved = lambda w: sum(h.bytes for h in sync_route(hw, m, w, 2, [0, 0], {0: 2}, 2, False)  # noqa: E731
                           if h.link == "PCIe" and "stage" in h.what)
     assert moved(full) == m.params * 4 and moved(lora) == n * 4
+    # the LM head's adapter where it is untied (a tied head has no module of its own: nothing added)
+    untied = ModelShape(24, 896, 4864, 14, 2, 64, 151936, False, "float32")
+    assert lora_params(untied, 8, (*targets, "lm_head")) == n + 8 * (896 + 151936)
+    assert lora_params(m, 8, (*targets, "lm_head")) == n

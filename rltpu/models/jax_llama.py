@@ -138,8 +138,9 @@ def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Ar
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
-    w = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return _linear(x, w).astype(_F32)
+    if cfg.tie_word_embeddings:
+        return _linear(x, params["model.embed_tokens.weight"]).astype(_F32)
+    return _proj(params, "lm_head", x).astype(_F32)  # with a LoRA adapter on the head (lowrank): its term too
 
 
 def forward(

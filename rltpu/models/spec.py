@@ -68,7 +68,8 @@ def is_adapter(name: str) -> bool:
 
 def lora_shapes(cfg: "ModelConfig", lora: Any, vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
     """Adapter name -> shape for ``lora`` (a ``LoraConfig``): per targeted projection ``W [out, in]``,
-    ``lora_A [rank, in]`` and ``lora_B [out, rank]`` (PEFT's names and layout), in state-dict order."""
+    ``lora_A [rank, in]`` and ``lora_B [out, rank]`` (PEFT's names and layout), in state-dict order.
+    ``lm_head`` counts only where the model has one (untied embeddings)."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in param_shapes(cfg, vocab_size).items():
         if not name.endswith(".weight") or len(shape) != 2:

@@ -159,8 +159,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_size, bias=False)
         self.to(_DTYPES[cfg.dtype])
 
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def output_weight(self):
+        """The LM head for ``head_logits``: its ``[V, H]`` weight, or, while a LoRA adapter on ``lm_head``
+        is on, ``(W, A, B, scale)``: the chunked logprob path then forms ``x W^T + scale (x A^T) B^T`` a
+        chunk at a time instead of a merged ``[V, H]`` copy (the adapter's dropout does not apply here)."""
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        h = self.lm_head
+        if getattr(h, "lora_A", None) is not None and not h.lora_off:
+            return h.weight, h.lora_A.weight, h.lora_B.weight, h.lora_scale
+        return h.weight
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -178,13 +186,13 @@ class LlamaForCausalLM(nn.Module):
     ):
         """input_ids/position_ids/attention_mask [B, T] (mask: 1 real, 0 pad) -> fp32 logits [B, T, V].
 
-        ``head(hidden [B, T, H], output_weight [V, H])``, when given, replaces the LM head and its result
+        ``head(hidden [B, T, H], output_weight())``, when given, replaces the LM head and its result
         is returned: the trainer computes logprobs chunk by chunk there (``learner.losses``) without the
         full logits. It runs inside ``forward`` so FSDP2's hooks see the (unsharded) head weight."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask)
         if head is not None:
             return head(hidden, self.output_weight())
-        return F.linear(hidden, self.output_weight()).float()
+        return head_logits(hidden, self.output_weight()).float()
 
     def hidden_states(
         self,
@@ -206,6 +214,14 @@ class LlamaForCausalLM(nn.Module):
                 masks[w] = attention_allowed(attention_mask, position_ids, w)
             x = layer(x, cos, sin, masks[w])
         return self.model.norm(x)
+
+
+def head_logits(x: torch.Tensor, weight) -> torch.Tensor:
+    """``x [..., H]`` through the LM head ``weight`` (see ``LlamaForCausalLM.output_weight``)."""
+    if isinstance(weight, tuple):
+        w, a, b, scale = weight
+        return F.linear(x, w) + F.linear(F.linear(x, a), b) * scale
+    return F.linear(x, weight)
 
 
 def init_state_dict(cfg: ModelConfig, vocab_size: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -100,11 +100,13 @@ class Workload:
 
 
 def lora_params(m: ModelShape, rank: int, targets) -> int:
-    """LoRA adapter parameters: rank x (in + out) per adapted projection per layer."""
+    """LoRA adapter parameters: rank x (in + out) per adapted projection per layer, plus the LM head's
+    rank x (hidden + vocab) where it is targeted and untied."""
     H, q, kv, inter = m.hidden, m.heads * m.head_dim, m.kv_dim, m.inter
     dims = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
             "gate_proj": (H, inter), "up_proj": (H, inter), "down_proj": (inter, H)}
-    return m.layers * rank * sum(sum(dims[t]) for t in targets)
+    head = rank * (H + m.vocab) if "lm_head" in targets and not m.tied else 0
+    return m.layers * rank * sum(sum(dims[t]) for t in targets if t in dims) + head
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:

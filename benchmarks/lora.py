@@ -1,0 +1,88 @@
+"""LoRA beside full-parameter training, through ``rltpu train`` (issue 20): does each learn, in how many
+steps and seconds, and what does a sync move?
+
+    .venv/bin/python benchmarks/lora.py [--seed 0] [--out FILE]
+
+Runs the quickstart (``configs/quickstart.yaml``, until its target reward 0.95 or 100 steps) as configured
+and with ``trainer.lora.rank=8 trainer.lr=3e-3`` (LoRA's usual higher learning rate: at the quickstart's
+1e-3 the adapters learn about 3x slower per step, at 1e-2 they stall near 0.25; one-process runs of
+``benchmarks/lora_learns.py``). Reported per run: wall time (Ray start and compilation included), steps,
+mean reward of the first and last 5 steps, the bytes each step's sync moved (``sync_bytes``; the start-up
+sync, before step 1, is the full one) and whether every step's sync was adapter-only, the median step/sample/train/sync seconds, and the machine, load and
+commit. Writes ``benchmarks/results/single/lora-<machine>-<date>.json`` unless ``--out`` says otherwise
+(``-``: only print it, as ``benchmarks/all.py --only lora`` runs it); prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from all import LoadSampler, commit_info, loadavg, machine, machine_slug  # noqa: E402
+
+LORA = ("trainer.lora.rank=8", "trainer.lr=3e-3")
+RUNS = {"full": (), "lora_rank8": LORA}
+
+
+def run(config: str, seed: int, *overrides: str) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="rltpu-lora-"))
+    cmd = ["rltpu", "train", config, f"seed={seed}", "progress=false", *overrides, "--run-dir", str(run_dir)]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    load = LoadSampler()
+    load.start()
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    load.stop.set()
+    out = {"command": " ".join(cmd[:-2]), "load": load.summary()}
+    if res.returncode:
+        return out | {"error": res.stderr.strip().splitlines()[-8:]}
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = recs[1:] or recs
+    med = lambda k: round(statistics.median(r[k] for r in steady), 4)  # noqa: E731
+    synced = [r for r in recs if r.get("sync_bytes") is not None]  # the start-up (full) sync is not a step's
+    return out | {
+        "wall_s": round(wall, 1), "steps": len(recs),
+        "reward_first5": round(statistics.fmean(r["reward_mean"] for r in recs[:5]), 4),
+        "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4),
+        "sync_bytes": sorted({r["sync_bytes"] for r in synced}),
+        "adapter_only_every_step": all(r.get("sync_adapter_only") for r in synced) if synced else None,
+        "step_s": med("step_s"), "sample_s": med("sample_s"), "train_s": med("train_s"), "sync_s": med("sync_s"),
+        "curve": [round(r["reward_mean"], 3) for r in recs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="results file; '-' prints only")
+    args = ap.parse_args()
+    doc = {"benchmark": "lora", "machine": machine(), **commit_info(), "date": dt.date.today().isoformat(),
+           "loadavg_before": loadavg(), "config": "configs/quickstart.yaml", "seed": args.seed, "runs": {}}
+    for name, overrides in RUNS.items():
+        doc["runs"][name] = run("configs/quickstart.yaml", args.seed, *overrides)
+        print(f"# {name}: {json.dumps({k: v for k, v in doc['runs'][name].items() if k != 'curve'})}",
+              file=sys.stderr, flush=True)
+    doc["loadavg_after"] = loadavg()
+    text = json.dumps(doc, indent=1)
+    if args.out != "-":
+        out = Path(args.out) if args.out else (ROOT / "benchmarks" / "results" / "single"
+                                               / f"lora-{machine_slug(doc['machine'])}-{doc['date']}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
