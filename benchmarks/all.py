@@ -442,7 +442,30 @@ def block_lora(doc: dict, path: Path) -> str:
         b = ", ".join(f"{x:,}" for x in r["sync_bytes"]) + (" (adapters only)" if r["adapter_only_every_step"] else "")
         rows.append(f"| {names.get(name, name)} | {r['wall_s']:.0f} s | {r['steps']} | {r['reward_first5']:.3f} → "
                     f"{r['reward_last5']:.3f} | {b} | {r['step_s']:.3f} s | {r['sync_s']:.4f} s |")
-    return "\n".join([head, "", *rows])
+    out = [head, "", *rows]
+    q = e["result"].get("qwen2_0_5b") or {}
+    if "runs" in q:
+        gb = lambda b: f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"  # noqa: E731
+        per = {k: list(v["per_rank"].values()) for k, v in q["runs"].items()}
+        rng = lambda k, f: " / ".join(sorted({gb(r[f]) for r in per[k]}))  # noqa: E731
+        full, lo = q["runs"]["full"], q["runs"]["lora"]
+        out += ["", f"A {q['model']['shape']}-shaped policy ({q['model']['layers']} layers, {q['model']['dtype']}, "
+                f"{q['model']['params']:,} params; LoRA rank {q['lora_rank']}: {q['model']['lora_params']:,} adapter "
+                f"params; tied embeddings, so no `lm_head` adapter) on {q['ranks']} gloo FSDP2 ranks, one GRPO step each "
+                f"way, measured on the live engines per rank (same file, `{q['command']}`):", "",
+                "| per rank | full-parameter | LoRA |", "|---|---|---|"]
+        for label, f in (("parameters (frozen base / trained)", "param_base_bytes"), ("gradients", "grad_bytes"),
+                         ("AdamW states", "adam_bytes"), ("peak RSS (one step)", "peak_rss"), ("step time", None)):
+            if f is None:
+                secs = {k: " / ".join(sorted({"%.1f s" % r["step_s"] for r in per[k]})) for k in ("full", "lora")}
+                out.append(f"| {label} | {secs['full']} | {secs['lora']} |")
+                continue
+            out.append(f"| {label} | {rng('full', f)} | {rng('lora', f)}"
+                       + (f" + {rng('lora', 'param_adapter_bytes')} adapters" if f == "param_base_bytes" else "") + " |")
+        out.append(f"| bytes per sync after the first (all trainer streams) | {full['sync_bytes_per_step']:,} | "
+                   f"{lo['sync_bytes_per_step']:,} ({full['sync_bytes_per_step'] / lo['sync_bytes_per_step']:.0f}× fewer; "
+                   f"the first: {lo['first_sync_bytes']:,}) |")
+    return "\n".join(out)
 
 
 BLOCKS = {"quickstart": block_quickstart, "modes": block_modes, "plan": block_plan, "benchmarks": block_benchmarks,

@@ -9,7 +9,9 @@ and with ``trainer.lora.rank=8 trainer.lr=3e-3`` (LoRA's usual higher learning r
 ``benchmarks/lora_learns.py``). Reported per run: wall time (Ray start and compilation included), steps,
 mean reward of the first and last 5 steps, the bytes each step's sync moved (``sync_bytes``; the start-up
 sync, before step 1, is the full one) and whether every step's sync was adapter-only, the median step/sample/train/sync seconds, and the machine, load and
-commit. Writes ``benchmarks/results/single/lora-<machine>-<date>.json`` unless ``--out`` says otherwise
+commit. Then ``benchmarks/lora_memory.py --layers 24`` (a Qwen2-0.5B-shaped policy on 2 FSDP2 ranks, one
+GRPO step each way: trainer memory per rank and sync bytes per step, full-parameter and LoRA), its JSON
+under ``qwen2_0_5b``. Writes ``benchmarks/results/single/lora-<machine>-<date>.json`` unless ``--out`` says otherwise
 (``-``: only print it, as ``benchmarks/all.py --only lora`` runs it); prints it.
 """
 
@@ -74,6 +76,11 @@ def main() -> None:
         doc["runs"][name] = run("configs/quickstart.yaml", args.seed, *overrides)
         print(f"# {name}: {json.dumps({k: v for k, v in doc['runs'][name].items() if k != 'curve'})}",
               file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    mem = subprocess.run([sys.executable, "benchmarks/lora_memory.py", "--layers", "24"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=3600)
+    doc["qwen2_0_5b"] = ({"command": "python benchmarks/lora_memory.py --layers 24", "wall_s": round(time.perf_counter() - t0, 1)}
+                         | (json.loads(mem.stdout) if mem.returncode == 0 else {"error": mem.stderr.strip().splitlines()[-8:]}))
     doc["loadavg_after"] = loadavg()
     text = json.dumps(doc, indent=1)
     if args.out != "-":

@@ -9,6 +9,8 @@ The module's class is swapped in place, so the base keeps its Hugging Face name 
 and the adapters get PEFT's (``...q_proj.lora_A.weight``): checkpoint loading, FSDP2 wrapping and
 weight sync address both by name. ``B = 0`` at start, so the model starts equal to the base.
 ``adapters_off`` runs the base alone: that is the reference policy (no second copy).
+``lm_head`` may be a target too: its forward is not called (the trainer reads the head's tensors through
+``LlamaForCausalLM.output_weight``), so its adapter runs without dropout.
 """
 
 from __future__ import annotations
