@@ -428,13 +428,16 @@ def block_lora(doc: dict, path: Path) -> str:
     runs = e["result"]["runs"]
     head = (f"Measured from {_src(doc, path, 'lora')}, {_load(e)} over the part, seed 0: `rltpu train "
             "configs/quickstart.yaml` until its `trainer.target_reward` (0.95, last-5 mean) or 100 steps, as configured "
-            "and with `trainer.lora.rank=8 trainer.lr=3e-3` (default targets: the seven projections and `lm_head`). "
+            "and with `trainer.lora.rank=8 trainer.lr=3e-3` (default targets: the seven projections and `lm_head`); "
+            "then both with `model.path=BASE`, the same seeded init written as a Hugging Face directory by "
+            "`rltpu export --adapters` (loaded through the checkpoint path, prompts through its `tokenizer.json`). "
             "Bytes per sync: what each step's sync moved (the start-up sync, before step 1, sends the base too). "
             "Measured, not tested (the suite's bound: `tests/test_e2e_lora.py` checks that a LoRA run's reward rises "
             "and that every step's sync is adapter-only, the bytes equal to the adapters' by hand).")
     rows = ["| run | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "
             "bytes per sync (each step) | median step | median sync |", "|---|---|---|---|---|---|---|"]
-    names = {"full": "full-parameter", "lora_rank8": "LoRA rank 8, lr 3e-3"}
+    names = {"full": "full-parameter", "lora_rank8": "LoRA rank 8, lr 3e-3",
+             "hf_full": "from an HF directory: full-parameter", "hf_lora_rank8": "from an HF directory: LoRA rank 8, lr 3e-3"}
     for name, r in runs.items():
         if "error" in r:
             rows.append(f"| {names.get(name, name)} | failed: see the results file | | | | | |")
