@@ -35,8 +35,16 @@ in halves; tried, not bundled) got further: right calls from about step 60, then
 fourth digit for half the prompts and on answers with extra digits). The same with
 ``trainer.kl_coef=0.05`` (a KL to the initial policy) kept the entropy near 1.0: 83% of calls right
 by step 130, the answer copy still being learned (0.36 at step 172, rising about 0.06 per 50 steps),
-too slow for the quickstart's time budget. What is open is faster exploration of the answer (per-token
-credit instead of per episode, a stronger model) without the collapse.
+too slow for the quickstart's time budget. Two more, tried and not bundled (seed 0, 2.1-3.1 s a step, so
+about 125 steps fit the 5-minute budget):
+- operands-only calls with the answer credited against whatever the tool returned (half weight after a
+  wrong call), so that copying the result is learned beside the call: 0.36 at step 96, entropy 0.15;
+- a call without arguments ('<' alone; the tool reads the question): with a direct answer credited the
+  policy never called (it farmed leading digits, 0.17 at step 84); uncredited, calls were learned by
+  step 15, then the answers settled on the leading digits products often have ('20000', '11111'; Benford):
+  0.42 at step 82, entropy 0.13; with ``trainer.kl_coef=0.05`` 0.40 at step 78, entropy 0.95.
+What is open is faster exploration of the answer (per-token credit instead of per episode, an answer
+whose digits cannot be guessed, a stronger model) without the collapse.
 
 Use with ``task.name: calc`` (examples with ``prompt``, ``expression``, ``answer``) or any dataset
 whose rows have those columns.
