@@ -127,6 +127,31 @@ class LoadSampler(threading.Thread):
         return {"samples": len(s), "mean_1m": round(sum(s) / len(s), 2), "max_1m": max(s)}
 
 
+def train_run(config: str, seed: int, *overrides: str, prefix: str = "rltpu-bench-") -> tuple[dict, list[dict]]:
+    """``rltpu train CONFIG seed=SEED progress=false OVERRIDES`` in a fresh run dir (embedded Ray), the load
+    sampled while it runs: ({command, load[, error] | wall_s, steps, reward_first5, reward_last5}, metrics rows)."""
+    import statistics
+    import tempfile
+
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    cmd = ["rltpu", "train", config, f"seed={seed}", "progress=false", *overrides, "--run-dir", str(run_dir)]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    load = LoadSampler()
+    load.start()
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    load.stop.set()
+    out = {"command": " ".join(cmd[:-2]), "load": load.summary()}
+    if res.returncode:
+        return out | {"error": res.stderr.strip().splitlines()[-8:]}, []
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return out | {"wall_s": round(wall, 1), "steps": len(recs),
+                  "reward_first5": round(statistics.fmean(r["reward_mean"] for r in recs[:5]), 4),
+                  "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4)}, recs
+
+
 # -- running parts ------------------------------------------------------------------------------
 
 

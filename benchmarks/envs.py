@@ -16,43 +16,23 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from all import LoadSampler, commit_info, loadavg, machine, machine_slug  # noqa: E402
+from all import commit_info, loadavg, machine, machine_slug, train_run  # noqa: E402
 
 
 def run(config: str, seed: int, *overrides: str) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="rltpu-envs-"))
-    cmd = ["rltpu", "train", config, f"seed={seed}", "progress=false", *overrides, "--run-dir", str(run_dir)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    load = LoadSampler()
-    load.start()
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    load.stop.set()
-    out = {"command": " ".join(cmd[:-2]), "load": load.summary()}
-    if res.returncode:
-        return out | {"error": res.stderr.strip().splitlines()[-8:]}
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out, recs = train_run(config, seed, *overrides, prefix="rltpu-envs-")
+    if not recs:
+        return out
     steady = recs[1:] or recs
     med = lambda k: round(statistics.median(r[k] for r in steady), 3)  # noqa: E731
-    return out | {
-        "wall_s": round(wall, 1), "steps": len(recs),
-        "reward_first5": round(statistics.fmean(r["reward_mean"] for r in recs[:5]), 4),
-        "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4),
-        "turns_last": recs[-1]["env_turns_mean"], "step_s": med("step_s"), "sample_s": med("sample_s"),
-        "train_s": med("train_s"), "curve": [round(r["reward_mean"], 3) for r in recs],
-    }
+    return out | {"turns_last": recs[-1]["env_turns_mean"], "step_s": med("step_s"), "sample_s": med("sample_s"),
+                  "train_s": med("train_s"), "curve": [round(r["reward_mean"], 3) for r in recs]}
 
 
 def main() -> None:

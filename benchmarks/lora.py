@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from all import LoadSampler, commit_info, loadavg, machine, machine_slug  # noqa: E402
+from all import commit_info, loadavg, machine, machine_slug, train_run  # noqa: E402
 
 LORA = ("trainer.lora.rank=8", "trainer.lr=3e-3")
 RUNS = {"full": (), "lora_rank8": LORA}
@@ -58,27 +58,13 @@ def hf_base(seed: int) -> tuple[Path, list[str]]:
 
 
 def run(config: str, seed: int, *overrides: str) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="rltpu-lora-"))
-    cmd = ["rltpu", "train", config, f"seed={seed}", "progress=false", *overrides, "--run-dir", str(run_dir)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    load = LoadSampler()
-    load.start()
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    load.stop.set()
-    out = {"command": " ".join(cmd[:-2]), "load": load.summary()}
-    if res.returncode:
-        return out | {"error": res.stderr.strip().splitlines()[-8:]}
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out, recs = train_run(config, seed, *overrides, prefix="rltpu-lora-")
+    if not recs:
+        return out
     steady = recs[1:] or recs
     med = lambda k: round(statistics.median(r[k] for r in steady), 4)  # noqa: E731
     synced = [r for r in recs if r.get("sync_bytes") is not None]  # the start-up (full) sync is not a step's
     return out | {
-        "wall_s": round(wall, 1), "steps": len(recs),
-        "reward_first5": round(statistics.fmean(r["reward_mean"] for r in recs[:5]), 4),
-        "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4),
         "sync_bytes": sorted({r["sync_bytes"] for r in synced}),
         "adapter_only_every_step": all(r.get("sync_adapter_only") for r in synced) if synced else None,
         "step_s": med("step_s"), "sample_s": med("sample_s"), "train_s": med("train_s"), "sync_s": med("sync_s"),
