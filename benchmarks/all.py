@@ -129,7 +129,8 @@ class LoadSampler(threading.Thread):
 
 def train_run(config: str, seed: int, *overrides: str, prefix: str = "rltpu-bench-") -> tuple[dict, list[dict]]:
     """``rltpu train CONFIG seed=SEED progress=false OVERRIDES`` in a fresh run dir (embedded Ray), the load
-    sampled while it runs: ({command, load[, error] | wall_s, steps, reward_first5, reward_last5}, metrics rows)."""
+    sampled while it runs: ({command, load[, error] | wall_s, steps, reward_first5, reward_last5, the median
+    step/sample/train seconds after step 1, curve}, metrics rows)."""
     import statistics
     import tempfile
 
@@ -147,9 +148,12 @@ def train_run(config: str, seed: int, *overrides: str, prefix: str = "rltpu-benc
     if res.returncode:
         return out | {"error": res.stderr.strip().splitlines()[-8:]}, []
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = recs[1:] or recs
     return out | {"wall_s": round(wall, 1), "steps": len(recs),
                   "reward_first5": round(statistics.fmean(r["reward_mean"] for r in recs[:5]), 4),
-                  "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4)}, recs
+                  "reward_last5": round(statistics.fmean(r["reward_mean"] for r in recs[-5:]), 4),
+                  **{k: round(statistics.median(r[k] for r in steady), 4) for k in ("step_s", "sample_s", "train_s")},
+                  "curve": [round(r["reward_mean"], 3) for r in recs]}, recs
 
 
 # -- running parts ------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,12 +26,7 @@ from all import commit_info, loadavg, machine, machine_slug, train_run  # noqa: 
 
 def run(config: str, seed: int, *overrides: str) -> dict:
     out, recs = train_run(config, seed, *overrides, prefix="rltpu-envs-")
-    if not recs:
-        return out
-    steady = recs[1:] or recs
-    med = lambda k: round(statistics.median(r[k] for r in steady), 3)  # noqa: E731
-    return out | {"turns_last": recs[-1]["env_turns_mean"], "step_s": med("step_s"), "sample_s": med("sample_s"),
-                  "train_s": med("train_s"), "curve": [round(r["reward_mean"], 3) for r in recs]}
+    return out | {"turns_last": recs[-1]["env_turns_mean"]} if recs else out
 
 
 def main() -> None:

@@ -61,14 +61,11 @@ def run(config: str, seed: int, *overrides: str) -> dict:
     out, recs = train_run(config, seed, *overrides, prefix="rltpu-lora-")
     if not recs:
         return out
-    steady = recs[1:] or recs
-    med = lambda k: round(statistics.median(r[k] for r in steady), 4)  # noqa: E731
     synced = [r for r in recs if r.get("sync_bytes") is not None]  # the start-up (full) sync is not a step's
     return out | {
         "sync_bytes": sorted({r["sync_bytes"] for r in synced}),
         "adapter_only_every_step": all(r.get("sync_adapter_only") for r in synced) if synced else None,
-        "step_s": med("step_s"), "sample_s": med("sample_s"), "train_s": med("train_s"), "sync_s": med("sync_s"),
-        "curve": [round(r["reward_mean"], 3) for r in recs],
+        "sync_s": round(statistics.median(r["sync_s"] for r in recs[1:] or recs), 4),
     }
 
 
