@@ -458,15 +458,22 @@ def block_lora(doc: dict, path: Path) -> str:
     head = (f"Measured from {_src(doc, path, 'lora')}, {_load(e)} over the part, seed 0: `rltpu train "
             "configs/quickstart.yaml` until its `trainer.target_reward` (0.95, last-5 mean) or 100 steps, as configured "
             "and with `trainer.lora.rank=8 trainer.lr=3e-3` (default targets: the seven projections and `lm_head`); "
-            "then both with `model.path=BASE`, the same seeded init written as a Hugging Face directory by "
-            "`rltpu export --adapters` (loaded through the checkpoint path, prompts through its `tokenizer.json`). "
+            + ("then both on the Hugging Face example, `rltpu train configs/hf_chat.yaml` (a tiny random Llama "
+               "written by `transformers`, its word-level tokenizer and chat template, a chat JSONL file: "
+               f"`{'`, `'.join(runs_hf)}`), until its target 0.9 or 150 steps. " if (runs_hf := e["result"].get("hf_commands"))
+               else "then both with `model.path=BASE`, the same seeded init written as a Hugging Face directory by "
+                    "`rltpu export --adapters` (loaded through the checkpoint path, prompts through its `tokenizer.json`). ")
+            + 
             "Bytes per sync: what each step's sync moved (the start-up sync, before step 1, sends the base too). "
             "Measured, not tested (the suite's bound: `tests/test_e2e_lora.py` checks that a LoRA run's reward rises "
             "and that every step's sync is adapter-only, the bytes equal to the adapters' by hand).")
     rows = ["| run | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "
             "bytes per sync (each step) | median step | median sync |", "|---|---|---|---|---|---|---|"]
     names = {"full": "full-parameter", "lora_rank8": "LoRA rank 8, lr 3e-3",
-             "hf_full": "from an HF directory: full-parameter", "hf_lora_rank8": "from an HF directory: LoRA rank 8, lr 3e-3"}
+             **({"hf_full": "`hf_chat.yaml`: full-parameter", "hf_lora_rank8": "`hf_chat.yaml`: LoRA rank 8, lr 3e-3"}
+                if e["result"].get("hf_commands") else
+                {"hf_full": "from an HF directory: full-parameter",
+                 "hf_lora_rank8": "from an HF directory: LoRA rank 8, lr 3e-3"})}
     for name, r in runs.items():
         if "error" in r:
             rows.append(f"| {names.get(name, name)} | failed: see the results file | | | | | |")
@@ -569,6 +576,12 @@ def main() -> int:
     date = dt.date.today().isoformat()
     out = RESULTS / f"{machine_slug(m)}-{date}.json"
     doc = json.loads(out.read_text()) if out.is_file() else {"parts": {}}
+    prev = latest_results()
+    if not out.is_file() and prev is not None:
+        # a new day's file starts with the newest file's parts (each keeps its own commit, start time and load,
+        # and says where it came from), so the newest file always holds every figure README quotes
+        doc["parts"] = {k: v | {"carried_from": v.get("carried_from", prev.name)}
+                        for k, v in json.loads(prev.read_text()).get("parts", {}).items()}
     doc.update({"machine": m, "date": date, "command": " ".join([rel_python(), "benchmarks/all.py", *sys.argv[1:]])})
     ran = {}
     t0 = time.perf_counter()

@@ -9,8 +9,8 @@ and with ``trainer.lora.rank=8 trainer.lr=3e-3`` (LoRA's usual higher learning r
 ``benchmarks/lora_learns.py``). Reported per run: wall time (Ray start and compilation included), steps,
 mean reward of the first and last 5 steps, the bytes each step's sync moved (``sync_bytes``; the start-up
 sync, before step 1, is the full one) and whether every step's sync was adapter-only, the median step/sample/train/sync seconds, and the machine, load and
-commit. Both again from the quickstart's seeded init written as a Hugging Face directory (``model.path``;
-``BASE`` in the commands; ``hf_base_commands`` say how it is written). Then ``benchmarks/lora_memory.py --layers 24`` (a Qwen2-0.5B-shaped policy on 2 FSDP2 ranks, one
+commit. Both again on the Hugging Face example, ``configs/hf_chat.yaml`` (its checkpoint and dataset
+written by the commands in its header, ``hf_commands``; until its target 0.9 or 150 steps). Then ``benchmarks/lora_memory.py --layers 24`` (a Qwen2-0.5B-shaped policy on 2 FSDP2 ranks, one
 GRPO step each way: trainer memory per rank and sync bytes per step, full-parameter and LoRA), its JSON
 under ``qwen2_0_5b``. Writes ``benchmarks/results/single/lora-<machine>-<date>.json`` unless ``--out`` says otherwise
 (``-``: only print it, as ``benchmarks/all.py --only lora`` runs it); prints it.
@@ -35,26 +35,27 @@ from all import commit_info, loadavg, machine, machine_slug, train_run  # noqa: 
 
 LORA = ("trainer.lora.rank=8", "trainer.lr=3e-3")
 RUNS = {"full": (), "lora_rank8": LORA}
-# the same task from a Hugging Face checkpoint directory (model.path: config.json, model.safetensors and a
-# tokenizer.json with the same ids), written by `rltpu export --adapters` as the base of a one-step LoRA run:
-# the seeded init, loaded through the checkpoint path (streamed FSDP shards, the directory's tokenizer)
+# the shipped Hugging Face example (configs/hf_chat.yaml: a tiny random Llama written by transformers, a
+# word-level tokenizer and chat template in its directory, a chat JSONL dataset), as its header writes it
 HF_RUNS = {"hf_full": (), "hf_lora_rank8": LORA}
+HF_CONFIG = "configs/hf_chat.yaml"
 
 
-def hf_base(seed: int) -> tuple[Path, list[str]]:
-    """The quickstart's seeded init as an HF directory, by the CLI: train 1 LoRA step, export the adapters
-    (which writes ``base/``). Returns the directory and the commands."""
+def hf_example() -> tuple[list[str], list[str]]:
+    """Write the example's checkpoint and dataset with the commands ``configs/hf_chat.yaml`` names, into a
+    temporary directory. Returns the overrides pointing the config at them, and the commands."""
     tmp = Path(tempfile.mkdtemp(prefix="rltpu-lora-hf-"))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    cmds = [["train", "configs/quickstart.yaml", f"seed={seed}", "progress=false", *LORA, "trainer.steps=1",
-             "--run-dir", str(tmp / "one")],
-            ["export", str(tmp / "one" / "checkpoint"), str(tmp / "peft"), "--adapters"]]
+    cmds = [[sys.executable, "-m", "rltpu.cli", "tiny-checkpoint", str(tmp / "tiny-llama"), "--arch", "llama",
+             "--tokenizer", "words"],
+            [sys.executable, "-m", "rltpu.data.chat_example", str(tmp / "chat_repeat3"), "--min-digits", "3",
+             "--max-digits", "3"]]
     for c in cmds:
-        res = subprocess.run([sys.executable, "-m", "rltpu.cli", *c], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=1800)
+        res = subprocess.run(c, cwd=ROOT, capture_output=True, text=True, timeout=600)
         if res.returncode:
-            raise SystemExit(f"benchmarks/lora.py: rltpu {' '.join(c)} failed: {res.stderr.strip().splitlines()[-1:]}")
-    return tmp / "peft" / "base", [f"rltpu {' '.join(c)}" for c in cmds]
+            raise SystemExit(f"benchmarks/lora.py: {' '.join(c[1:])} failed: {res.stderr.strip().splitlines()[-1:]}")
+    shown = [" ".join(["rltpu" if c[2] == "rltpu.cli" else "python -m " + c[2], *c[3:]]).replace(str(tmp) + "/", "data/")
+             for c in cmds]
+    return [f"model.path={tmp / 'tiny-llama'}", f"task.dataset={tmp / 'chat_repeat3' / 'train.jsonl'}"], shown
 
 
 def run(config: str, seed: int, *overrides: str) -> dict:
@@ -80,10 +81,13 @@ def main() -> None:
         doc["runs"][name] = run("configs/quickstart.yaml", args.seed, *overrides)
         print(f"# {name}: {json.dumps({k: v for k, v in doc['runs'][name].items() if k != 'curve'})}",
               file=sys.stderr, flush=True)
-    base, doc["hf_base_commands"] = hf_base(args.seed)
+    paths, doc["hf_commands"] = hf_example()
     for name, overrides in HF_RUNS.items():
-        doc["runs"][name] = run("configs/quickstart.yaml", args.seed, f"model.path={base}", *overrides)
-        doc["runs"][name]["command"] = doc["runs"][name]["command"].replace(str(base), "BASE")
+        doc["runs"][name] = run(HF_CONFIG, args.seed, *paths, *overrides)
+        doc["runs"][name]["command"] = " ".join(w for w in doc["runs"][name]["command"].split()
+                                                if not w.startswith(("model.path=", "task.dataset=")))
+        print(f"# {name}: {json.dumps({k: v for k, v in doc['runs'][name].items() if k != 'curve'})}",
+              file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     mem = subprocess.run([sys.executable, "benchmarks/lora_memory.py", "--layers", "24"], cwd=ROOT, capture_output=True,
                          text=True, timeout=3600)

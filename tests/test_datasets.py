@@ -11,7 +11,7 @@ from rltpu.data.chat_example import make_tiny_tokenizer
 from rltpu.config import ConfigError, build_config
 from rltpu.data.synthetic import SyntheticPromptDataset
 from rltpu.data.sources import DatasetError, PromptDataset, build_dataset, check_prompt_lengths, read_prompt_file
-from rltpu.data.rewards import exact_answer, load_reward_fn, normalize_answer
+from rltpu.data.rewards import exact_answer, load_reward_fn, normalize_answer, word_credit
 from rltpu.control.batch import score
 
 pytest.importorskip("transformers")
@@ -152,6 +152,51 @@ def test_exact_answer_normalises_and_reads_a_configurable_column():
         exact_answer("42", {"prompt": "p"})
     with pytest.raises(ValueError, match="do not fit rltpu.data.rewards:exact_answer"):
         load_reward_fn("rltpu.data.rewards:exact_answer", {"colum": "reference"})
+
+
+def test_word_credit_counts_words_in_place_over_the_longer():
+    assert word_credit("7 6 4", {"answer": "7 6 4"}) == 1.0
+    assert word_credit("7 1 4", {"answer": "7 6 4"}) == pytest.approx(2 / 3)
+    assert word_credit("7 6 4 fox", {"answer": "7 6 4"}) == pytest.approx(3 / 4)  # a word too many costs
+    assert word_credit("7", {"answer": "7 6 4"}) == pytest.approx(1 / 3)  # stopping early too
+    assert word_credit("6 4", {"answer": "7 6 4"}) == 0.0  # in place, not anywhere
+    assert word_credit("", {"answer": "7 6 4"}) == 0.0
+    assert load_reward_fn("rltpu.data.rewards:word_credit", {"column": "ref"})("a b", {"ref": "a c"}) == 0.5
+    with pytest.raises(ConfigError, match="word_credit: the example has no 'answer' column"):
+        word_credit("1", {"prompt": "p"})
+
+
+def test_word_level_tiny_tokenizer_keeps_every_word_as_one_id(tmp_path):
+    """The hf_chat example's tokenizer (``kind="words"``), loaded through transformers as users' are:
+    every word and digit of the chat-templated prompt is its own id (none dropped), a reply decodes to
+    the words joined by spaces, and the vocabulary is the corpus's words plus the specials."""
+    corpus = ["Reply with the digits only.", "Repeat: 3 1 4 1 5 9 2 6 8 7 0", "user assistant system"]
+    d = make_tiny_tokenizer(tmp_path / "tok", corpus, kind="words")
+    tok = HFTokenizer(d)
+    assert tok.vocab_size == 3 + 1 + 21  # 3 specials, <unk>; 8 words and marks, 10 digits, 3 role names
+    text = tok.apply_chat_template([{"role": "system", "content": "Reply with the digits only."},
+                                    {"role": "user", "content": "Repeat: 3 1 4"}])
+    ids = tok.encode(text, add_bos=False)
+    assert len(ids) == 5 + 3 + 5 + 1 + 2 + 3  # 5 specials, 3 role names, 5 words, '.', 'Repeat' ':', 3 digits
+    assert tok.decode(tok.encode("3 1 4", add_bos=False)) == "3 1 4"
+    assert tok._tok.unk_token_id not in ids
+    with pytest.raises(ValueError, match="bpe or words"):
+        make_tiny_tokenizer(tmp_path / "bad", corpus, kind="chars")
+
+
+def test_chat_example_digits_options(tmp_path):
+    import subprocess
+    import sys
+
+    from rltpu.data.chat_example import write_chat_example
+
+    made = write_chat_example(tmp_path / "a", num_rows=30, min_digits=3, max_digits=3)
+    rows = [json.loads(line) for line in open(made["dataset"])]
+    assert len(rows) == 30 and {len(r["answer"].split()) for r in rows} == {3}
+    assert all(r["messages"][-1]["content"] == f"Repeat: {r['answer']}" for r in rows)
+    res = subprocess.run([sys.executable, "-m", "rltpu.data.chat_example", str(tmp_path / "b"), "--min-digits", "4",
+                          "--max-digits", "3"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "need 1 <= --min-digits <= --max-digits" in res.stderr.strip().splitlines()[-1]
 
 
 def test_build_dataset_picks_file_or_synthetic(jsonl, tok):

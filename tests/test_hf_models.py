@@ -380,6 +380,11 @@ def test_tiny_checkpoint_cli_and_missing_transformers(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("rltpu: error:")
     assert "pip install 'rltpu[hf]'" in res.stderr
+    # a word-level tokenizer only where transformers keeps it word-level (qwen2 would rebuild it as BPE)
+    res = subprocess.run([sys.executable, "-m", "rltpu.cli", "tiny-checkpoint", str(tmp_path / "w"), "--arch",
+                          "qwen2", "--tokenizer", "words"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("rltpu: error: --tokenizer words "
+                                                                                   "needs --arch llama")
 
 
 def test_core_path_does_not_import_transformers():
@@ -416,7 +421,8 @@ def test_train_on_tiny_qwen2_checkpoint_with_chat_jsonl_then_export(tmp_path):
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "hf_chat.yaml"), f"run_dir={run_dir}",
            "progress=false", f"model.path={model_dir}", f"task.dataset={made['dataset']}",
            "task.reward_fn=tests.hf_reward:logged_answer_reward", "trainer.steps=3", "trainer.kl_coef=0.05",
-           "sync.verify_every=1"]
+           "sync.verify_every=1", "trainer.prompts_per_step=16", "sampler.group_size=8", "sampler.max_new_tokens=8",
+           "sampler.batch_buckets=[64]", "sampler.prompt_buckets=[48]"]  # the BPE tokenizer's prompts are longer
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     m = read_metrics(run_dir / "metrics.jsonl")

@@ -28,24 +28,36 @@ CHATML_TEMPLATE = (
 def make_tiny_tokenizer(directory: str | Path, corpus: list[str], vocab_size: int = 320,
                         chat_template: str | None = CHATML_TEMPLATE, bos_token: str | None = None,
                         eos_token: str | None = "<|im_end|>", pad_token: str | None = "<|endoftext|>",
-                        generation_eos: list[str] | None = ("<|im_end|>", "<|endoftext|>")) -> Path:
-    """Train a byte-level BPE on ``corpus`` and write it as a Hugging Face tokenizer directory.
+                        generation_eos: list[str] | None = ("<|im_end|>", "<|endoftext|>"),
+                        kind: str = "bpe") -> Path:
+    """Train a tokenizer on ``corpus`` and write it as a Hugging Face tokenizer directory.
 
-    Byte-level, so any text round-trips exactly. Files are written by hand (not
+    ``kind="bpe"``: a byte-level BPE, so any text round-trips exactly. ``kind="words"``: one id per
+    word or punctuation mark of the corpus (a ``WordLevel`` model, ``<unk>`` for the rest), decoded
+    joined by spaces: a vocabulary of a few dozen ids, small enough that a random-init model's
+    first samples already hit the answer's tokens (the learning example, ``configs/hf_chat.yaml``).
+    Files are written by hand (not
     ``save_pretrained``) to match what checkpoints on the hub ship: ``tokenizer.json``,
     ``tokenizer_config.json`` (with ``chat_template``), ``special_tokens_map.json`` and, when
     ``generation_eos`` is given, ``generation_config.json``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if kind not in ("bpe", "words"):
+        raise ValueError(f"tokenizer kind {kind!r} is not supported (bpe or words)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     specials = list(dict.fromkeys([*SPECIALS, *(t for t in (bos_token, eos_token, pad_token) if t)]))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if kind == "words":
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(special_tokens=[*specials, "<unk>"], show_progress=False)
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(corpus), trainer)
     tok.save(str(out / "tokenizer.json"))
     named = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
@@ -78,10 +90,13 @@ def repeat_rows(n: int, seed: int = 0, min_digits: int = 2, max_digits: int = 4)
     return rows
 
 
-def write_chat_example(directory: str | Path, num_rows: int = 512, seed: int = 0) -> dict:
+def write_chat_example(directory: str | Path, num_rows: int = 512, seed: int = 0, min_digits: int = 2,
+                       max_digits: int = 4) -> dict:
     """Write ``tokenizer/`` and ``train.jsonl`` under ``directory``; returns their paths."""
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"digits {min_digits}..{max_digits}: need 1 <= --min-digits <= --max-digits")
     out = Path(directory)
-    rows = repeat_rows(num_rows, seed)
+    rows = repeat_rows(num_rows, seed, min_digits, max_digits)
     corpus = [m["content"] for r in rows[:64] for m in r["messages"]] + [r["answer"] for r in rows[:64]]
     tok_dir = make_tiny_tokenizer(out / "tokenizer", corpus + ["user assistant system"])
     data = out / "train.jsonl"
@@ -94,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", nargs="?", default="data/chat_example")
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-digits", type=int, default=2, help="shortest answer (digits)")
+    parser.add_argument("--max-digits", type=int, default=4, help="longest answer (digits)")
     args = parser.parse_args(argv)
-    print(json.dumps(write_chat_example(args.directory, args.rows, args.seed)))
+    try:
+        made = write_chat_example(args.directory, args.rows, args.seed, args.min_digits, args.max_digits)
+    except ValueError as err:
+        parser.error(str(err))
+    print(json.dumps(made))
     return 0
 
 

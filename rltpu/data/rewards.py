@@ -38,6 +38,22 @@ def partial_credit(completion: str, example: dict) -> float:
     return hits / max(len(answer), len(completion), 1)
 
 
+def word_credit(completion: str, example: dict, column: str = "answer") -> float:
+    """``partial_credit`` over whitespace-separated words against ``example[column]``: the fraction
+    of answer words in place, divided by the longer of answer and completion.
+
+    Dense where ``exact_answer`` is all-or-nothing: a random-init policy's first samples already
+    score (a word right here and there), so GRPO has a signal from step 1; only the exact answer
+    (and nothing after it) scores 1.
+    """
+    if column not in example:
+        raise ConfigError(f"rltpu.data.rewards:word_credit: the example has no '{column}' column (it has: "
+                          f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
+    got, want = completion.split(), str(example[column]).split()
+    hits = sum(a == b for a, b in zip(got, want))
+    return hits / max(len(want), len(got), 1)
+
+
 def exact_match(completion: str, example: dict) -> float:
     return float(completion == example["answer"])
 

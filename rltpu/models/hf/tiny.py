@@ -51,7 +51,7 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
                           num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                           sliding_window: int | None = None, llama3_rope: bool = False, attention_bias: bool = False,
                           max_position_embeddings: int = 256, init_std: float = 0.1, shard_bytes: int | None = None,
-                          with_tokenizer: bool = True, vocab_size: int | None = None) -> Path:
+                          with_tokenizer: bool = True, vocab_size: int | None = None, tokenizer: str = "bpe") -> Path:
     """Write a random ``arch`` checkpoint (+ tokenizer) to ``out_dir`` with ``save_pretrained``.
 
     ``sliding_window`` on qwen2/qwen3 makes every layer after the first slide (``layer_types``
@@ -61,6 +61,11 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
     """
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    if tokenizer == "words" and arch != "llama":
+        # transformers 5 loads a qwen2/qwen3/mistral directory with its family's BPE tokenizer class,
+        # rebuilt from the vocabulary: whole-word ids without merges would silently vanish from prompts
+        raise ValueError(f"--tokenizer words needs --arch llama (transformers loads {arch} tokenizers as BPE, "
+                         f"which drops word-level ids)")
     T = _transformers()
     import torch
 
@@ -72,7 +77,7 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
 
         from rltpu.data.chat_example import make_tiny_tokenizer
 
-        make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512)
+        make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512, kind=tokenizer)
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         n_tok = tok.get_vocab_size(with_added_tokens=True)
         special = {"eos_token_id": tok.token_to_id("<|im_end|>"), "pad_token_id": tok.token_to_id("<|endoftext|>"),
@@ -135,14 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama3-rope", action="store_true", help="llama: Llama 3 RoPE scaling")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--init-std", type=float, default=0.1,
+                   help="weights' normal std (0.1 makes logits differences visible in tests; 0.02 is HF's default)")
     p.add_argument("--shard-kb", type=int, default=None, help="shard the weights (writes an index)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=("bpe", "words"), default="bpe",
+                   help="bpe: a 512-id byte-level BPE; words: one id per word of the chat example (~30 ids)")
 
 
 def run(args) -> int:
     out = write_tiny_checkpoint(args.out_dir, args.arch, tied=args.tied, dtype=args.dtype, seed=args.seed,
                                 hidden_size=args.hidden_size, num_layers=args.layers,
                                 sliding_window=args.sliding_window, llama3_rope=args.llama3_rope,
+                                tokenizer=args.tokenizer, init_std=args.init_std,
                                 shard_bytes=args.shard_kb * 1024 if args.shard_kb else None)
     print(json.dumps({"path": str(out), "files": sorted(f.name for f in out.iterdir())}))
     return 0
