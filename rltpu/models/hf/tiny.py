@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-kb", type=int, default=None, help="shard the weights (writes an index)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", choices=("bpe", "words"), default="bpe",
-                   help="bpe: a 512-id byte-level BPE; words: one id per word of the chat example (~30 ids)")
+                   help="bpe: a 512-id byte-level BPE; words: one id per word of the chat example (33 ids)")
 
 
 def run(args) -> int:
