@@ -43,6 +43,32 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, 
     return adv.view(-1)
 
 
+def turn_advantages(returns: torch.Tensor, turns: torch.Tensor, token_turns: torch.Tensor, mask: torch.Tensor,
+                    group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages per turn of multi-turn episodes, ``(R, T)``.
+
+    ``returns`` (R, K): each turn's return-to-go (its own reward and the later turns'); ``turns``
+    (R,): turns played; ``token_turns`` (R, T): the turn of each token (-1: not the policy's).
+    Turn k's tokens get ``(G_k - mean) / (std + eps)`` over the group's episodes that played turn k
+    (sample std; ``scale=False`` keeps the mean only; fewer than two such episodes, or all equal: 0).
+    Why: with one advantage per episode, a reward earned in turn 1 (a tool call) also rewards
+    whatever turn 2 wrote, and the policy learns to repeat it; a turn cannot change what came before.
+    """
+    R, K = returns.shape
+    g = returns.float().view(-1, group_size, K)  # (P, G, K)
+    played = (torch.arange(K)[None, :] < turns.view(-1, 1)).view(-1, group_size, K).float()
+    n = played.sum(dim=1, keepdim=True)  # (P, 1, K)
+    mean = (g * played).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    adv = (g - mean) * played
+    if scale:
+        var = ((g - mean) ** 2 * played).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+        adv = adv / (var.sqrt() + eps)
+    adv = torch.where(n >= 2, adv, torch.zeros_like(adv)).view(R, K)
+    idx = token_turns.long().clamp(min=0)
+    out = torch.gather(adv, 1, idx) * (token_turns >= 0).float()
+    return out * mask.float()
+
+
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """REINFORCE leave-one-out: ``r_i - mean_{j != i} r_j`` (= G/(G-1) times the group-mean baseline)."""
     r = _groups(rewards, group_size)

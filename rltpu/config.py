@@ -295,6 +295,10 @@ class EnvConfig(_Section):
     kwargs: dict[str, Any] = {}
     max_turns: int = Field(4, ge=1)
     max_tokens: int = Field(32, ge=2)  # the response region: every turn's completion and observation
+    # episode: every policy token gets the episode's advantage; turn: a turn's tokens get the group-relative
+    # advantage of its return-to-go (its own and later turns' rewards), so a reward earned by an earlier
+    # turn (a tool call) does not also reward whatever a later turn wrote (learner.losses.turn_advantages)
+    credit: Literal["episode", "turn"] = "episode"
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
@@ -710,6 +714,13 @@ def _check_env(cfg: "RunConfig") -> None:
                          "environment's masked tokens); use grpo, drgrpo, rloo or reinforce_pp")
     if cfg.placement.mode == "colocated":
         raise ValueError("env with placement.mode=colocated is not supported yet; use disaggregated")
+    if cfg.env.credit == "turn":
+        if cfg.trainer.algorithm not in ("grpo", "drgrpo"):
+            raise ValueError(f"env.credit=turn works with trainer.algorithm grpo or drgrpo, not "
+                             f"{cfg.trainer.algorithm!r}; set env.credit=episode or change the algorithm")
+        if cfg.trainer.kl_in_reward or cfg.reward_model is not None:
+            raise ValueError("env.credit=turn takes each turn's reward from the environment alone: it does not "
+                             "combine with trainer.kl_in_reward or a reward_model; set env.credit=episode")
     if cfg.env.max_tokens < cfg.sampler.max_new_tokens:
         raise ValueError(f"env.max_tokens={cfg.env.max_tokens} is smaller than one turn's "
                          f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}; raise env.max_tokens")

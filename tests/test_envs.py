@@ -93,6 +93,51 @@ def test_layout_by_hand_calculator_episode():
     assert out["seconds"] == 2.0  # accounting summed over the turns
 
 
+def test_turn_credit_layout_and_advantages_by_hand():
+    """``env.credit: turn``: each policy token knows its turn, each turn its return-to-go, and the
+    advantages are group-relative per turn: the call's reward does not reach the answer's tokens."""
+    import torch
+
+    from learner.losses import turn_advantages
+
+    ex = {"id": 0, "prompt": "12*34=", "expression": "12*34", "answer": "408"}
+    call = TOK.encode("<12*34", add_bos=False) + [TOK.eos_id]  # 7 tokens, a right call: 0.2
+    bad = TOK.encode("<12*3", add_bos=False) + [TOK.eos_id]  # a wrong call: 0.2 x (0.25 + 0.75 x 3/5), ends
+    answers = [TOK.encode("408", add_bos=False) + [TOK.eos_id], TOK.encode("4", add_bos=False) + [TOK.eos_id]]
+    generate, _ = _fake_generate({0: [call, call, call, bad], 1: [answers[0], answers[1], answers[0]]}, [0, 0])
+    out = run_episodes(generate, [Calculator() for _ in range(4)], Renderer(TOK), [ex], 4, 0, 3, 20, 32, direct_call)
+    obs = 4  # '408='
+    np.testing.assert_array_equal(out["turns"], [2, 2, 2, 1])
+    np.testing.assert_array_equal(out["token_turns"][0, :7 + obs + 4], [0] * 7 + [-1] * obs + [1] * 4)
+    np.testing.assert_array_equal(out["token_turns"][3, :7], [0] * 6 + [-1])  # 6 tokens, then padding
+    wrong = 0.2 * (0.25 + 0.75 * 3 / 5)  # 3 of its digits in place (not the operator: a digit is missing)
+    want = np.array([[1.0, 0.8], [0.2 + 0.8 / 3, 0.8 / 3], [1.0, 0.8], [wrong, 0.0]], np.float32)
+    np.testing.assert_allclose(out["turn_returns"], np.pad(want, ((0, 0), (0, 1))), rtol=1e-6)  # max_turns=3
+    np.testing.assert_allclose(out["rewards"], want[:, 0], rtol=1e-6)  # the episode's return is turn 0's
+    # by hand: turn 0 over all four rows, turn 1 over the three that played it (sample std)
+    g0, g1 = want[:, 0], want[:3, 1]
+    a0 = (g0 - g0.mean()) / (g0.std(ddof=1) + 1e-6)
+    a1 = (g1 - g1.mean()) / (g1.std(ddof=1) + 1e-6)
+    gen = merge_generations([out], TOK.pad_id)
+    batch = build_train_batch(gen, out["rewards"], 4, turn_credit=True)
+    P = gen["prompt"].shape[1]
+    adv = batch["advantages"][:, P:]
+    for r in range(3):
+        np.testing.assert_allclose(adv[r, :7], a0[r], rtol=1e-5)
+        np.testing.assert_allclose(adv[r, 7 + obs:7 + obs + (4 if r != 1 else 2)], a1[r], rtol=1e-5)
+        assert (adv[r, 7:7 + obs] == 0).all()
+    np.testing.assert_allclose(adv[3, :6], a0[3], rtol=1e-5)
+    assert (adv[3, 6:] == 0).all()
+    # rows 0 and 2 answered alike after alike calls: the same advantage, whatever the call earned
+    assert adv[0, 7 + obs] == adv[2, 7 + obs] > 0 > adv[1, 7 + obs]
+    # one row alone at a turn, or a group all equal: no signal
+    alone = turn_advantages(torch.tensor([[1.0, 0.5], [0.0, 0.0]]), torch.tensor([2, 1]),
+                            torch.tensor([[0, 1], [0, -1]]), torch.ones(2, 2), 2)
+    assert alone[0, 1] == 0 and alone[0, 0] > 0 > alone[1, 0]
+    with pytest.raises(ValueError, match="no turn_returns"):
+        build_train_batch({k: v for k, v in gen.items() if k != "turn_returns"}, out["rewards"], 4, turn_credit=True)
+
+
 def test_environment_tokens_carry_zero_loss_weight():
     """The trainer's batch masks observations out of the loss and the advantages, and its
     gradients do not change whatever those positions' advantages and old logprobs say."""
@@ -246,6 +291,14 @@ def test_config_refusals():
                                                                     "max_turns": 0}})
     with pytest.raises(ValueError, match="played through an environment"):
         RunConfig.model_validate({"task": {"name": "calc"}})
+    guess = {"task": {"name": "guess"}, "env": {"path": "rltpu.data.envs.guess:GuessNumber", "credit": "turn"}}
+    assert RunConfig.model_validate(guess).env.credit == "turn"
+    with pytest.raises(ValueError, match="env.credit=turn works with trainer.algorithm grpo or drgrpo"):
+        RunConfig.model_validate(guess | {"trainer": {"algorithm": "rloo"}})
+    with pytest.raises(ValueError, match="does not combine with trainer.kl_in_reward"):
+        RunConfig.model_validate(guess | {"trainer": {"kl_in_reward": True, "kl_coef": 0.01}})
+    with pytest.raises(ValueError, match="credit"):
+        RunConfig.model_validate(guess | {"env": {"path": "rltpu.data.envs.guess:GuessNumber", "credit": "token"}})
     with pytest.raises(ValueError, match="ppo"):
         RunConfig.model_validate({"task": {"name": "guess"}, "env": {"path": "rltpu.data.envs.guess:GuessNumber"},
                                   "trainer": {"algorithm": "ppo"}, "critic": {}})

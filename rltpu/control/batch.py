@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from learner.losses import ppo_advantages, token_advantages
+from learner.losses import ppo_advantages, token_advantages, turn_advantages
 
 
-EPISODE_KEYS = ("policy_mask", "token_versions", "turns", "truncated")
+EPISODE_KEYS = ("policy_mask", "token_versions", "turns", "truncated", "token_turns", "turn_returns")
 
 
 def merge_generations(outs: list[dict], pad_id: int) -> dict:
@@ -65,7 +65,8 @@ def train_layout(gen: dict) -> dict:
 
 def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rewards: bool = True,
                       estimator: str = "grpo", kl: np.ndarray | None = None, kl_coef: float = 0.0,
-                      gamma: float = 1.0, values: np.ndarray | None = None, lam: float = 1.0) -> dict:
+                      gamma: float = 1.0, values: np.ndarray | None = None, lam: float = 1.0,
+                      turn_credit: bool = False) -> dict:
     """``train_layout`` plus per-token ``advantages`` (R, P+T), zero on prompt and padding.
 
     ``kl`` (R, P+T), aligned like ``old_logprobs``, is a per-token KL estimate to put in the
@@ -80,8 +81,16 @@ def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rew
         adv, ret = ppo_advantages(torch.from_numpy(np.asarray(rewards, np.float32)), v, m, gamma, lam, kl_t, kl_coef)
         return batch | {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": (v * m).numpy(),
                         "max_new_tokens": int(gen["tokens"].shape[1])}
-    adv = token_advantages(estimator, torch.from_numpy(np.asarray(rewards, np.float32)), m, group_size,
-                           scale=scale_rewards, kl=kl_t, kl_coef=kl_coef, gamma=gamma)
+    if turn_credit:  # multi-turn (env.credit: turn): each turn's tokens on its own return-to-go
+        if "turn_returns" not in gen:
+            raise ValueError("turn credit needs episodes (env.credit: turn): the batch has no turn_returns")
+        P = gen["prompt"].shape[1]
+        tt = np.concatenate([np.full((len(gen["lengths"]), P), -1, np.int32), gen["token_turns"]], axis=1)
+        adv = turn_advantages(torch.from_numpy(gen["turn_returns"]), torch.from_numpy(np.asarray(gen["turns"])),
+                              torch.from_numpy(tt), m, group_size, scale=scale_rewards and estimator == "grpo")
+    else:
+        adv = token_advantages(estimator, torch.from_numpy(np.asarray(rewards, np.float32)), m, group_size,
+                               scale=scale_rewards, kl=kl_t, kl_coef=kl_coef, gamma=gamma)
     return batch | {"advantages": adv.numpy().astype(np.float32), "max_new_tokens": int(gen["tokens"].shape[1])}
 
 

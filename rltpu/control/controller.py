@@ -421,7 +421,8 @@ class Controller:
                 values = np.concatenate(self._per_shard(ray.get([t.values.remote(b) for t, b in zip(trainers, parts)])))
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
                                   kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
-                                  lam=cfg.critic.gae_lambda if cfg.critic else 1.0)
+                                  lam=cfg.critic.gae_lambda if cfg.critic else 1.0,
+                                  turn_credit=cfg.env is not None and cfg.env.credit == "turn")
         t1 = time.perf_counter()
         parts = self._per_trainer(batch)
         with INTERRUPTS.deferred():  # the batch reaching the trainers, the step count and the ledger line: all or none

@@ -84,40 +84,29 @@ def evaluate(expression: str) -> int | None:
 class Calculator:
     observation_role = "tool"
 
-    def __init__(self, call_credit: float = 0.2, call: str = "expression", pad: int = 0):
+    def __init__(self, call_credit: float = 0.2):
         if not 0 <= call_credit < 1:
             raise ValueError(f"call_credit={call_credit} must be in [0, 1)")
-        if call not in ("expression", "bare"):
-            raise ValueError(f"call={call!r} must be 'expression' or 'bare'")
-        if not 0 <= pad <= MAX_CALL_CHARS:
-            raise ValueError(f"pad={pad} must be in [0, {MAX_CALL_CHARS}]")
-        self.call_credit, self.call, self.pad = float(call_credit), call, int(pad)
+        self.call_credit = float(call_credit)
         self.example: dict = {}
         self.called = False
         self.right = False  # the tool computed the true product
-        self.shown = ""  # the result as the tool wrote it (the answer is graded against it)
 
     def reset(self, example: dict) -> str:
-        self.example, self.called, self.right, self.shown = example, False, False, ""
+        self.example, self.called, self.right = example, False, False
         return example["prompt"]
 
     def step(self, messages: list[dict], completion: str) -> tuple[str | None, float, bool]:
         if completion.startswith("<") and not self.called:
             self.called = True
-            if self.call == "bare":  # '<' alone: the tool reads the question
-                reward = self.call_credit if completion == "<" else 0.0
-                result = evaluate(self.example["expression"]) if completion == "<" else None
-            else:
-                expression = completion[1:]
-                share = CALL_SHARE if "<" not in expression else 0.0
-                reward = self.call_credit * (share + (1 - CALL_SHARE) * call_score(expression,
-                                                                                   self.example["expression"]))
-                result = evaluate(expression)
-            self.right = result is not None and result == int(self.example["answer"])
+            expression = completion[1:]
+            share = CALL_SHARE if "<" not in expression else 0.0
+            reward = self.call_credit * (share + (1 - CALL_SHARE) * call_score(expression, self.example["expression"]))
+            result = evaluate(expression)
+            self.right = result is not None and str(result) == self.example["answer"]
             if not self.right:  # a wrong call ends the episode: no answer could score after it
                 return None, reward, True
-            self.shown = str(result).zfill(self.pad)
-            return f"{self.shown}=", reward, False
+            return f"{result}=", reward, False
         if not self.right:  # an answer without a call
             return None, 0.0, True
-        return None, (1 - self.call_credit) * partial_credit(completion, {"answer": self.shown}), True
+        return None, (1 - self.call_credit) * partial_credit(completion, {"answer": self.example["answer"]}), True

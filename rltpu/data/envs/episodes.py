@@ -11,7 +11,9 @@ The row the trainer gets is the same fixed-shape layout as a single-turn row, ``
 with the response region ``max_tokens`` wide: ``c1 o1 c2 o2 ... cn`` (completions, observations).
 ``policy_mask`` is 1 on completion tokens (stop token included) and 0 on observations and padding;
 ``logprobs`` and ``token_versions`` hold each completion token's sampler logprob and the weight
-version that sampled it (-1 elsewhere). Versions can differ between turns in async mode (a sync
+version that sampled it (-1 elsewhere); ``token_turns`` the turn that wrote it (-1 elsewhere) and
+``turn_returns`` (rows x ``max_turns``) each turn's return-to-go, the sum of its own and later turns'
+rewards (``env.credit: turn`` trains a turn's tokens on that, not on rewards earned before it). Versions can differ between turns in async mode (a sync
 can land between two turns of one episode); ``versions`` (per row) is the oldest, which is what the
 staleness bound is checked against.
 
@@ -92,6 +94,7 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
     kinds = ["ok"] * R
     details = [""] * R
     ret = np.zeros(R, np.float64)
+    turn_rewards = np.zeros((R, max_turns), np.float64)  # each turn's reward: returns-to-go for turn credit
     messages: list[list[dict]] = [[] for _ in range(R)]
     prompts: list[list[int]] = [[] for _ in range(R)]
     done = np.zeros(R, bool)
@@ -108,6 +111,7 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
             prompts[r] = prompts[r][-max_context:]
     ids: list[list[int]] = [[] for _ in range(R)]
     mask: list[list[int]] = [[] for _ in range(R)]
+    tturn: list[list[int]] = [[] for _ in range(R)]  # the turn of each response token (-1: the environment's)
     logp: list[list[float]] = [[] for _ in range(R)]
     ver: list[list[int]] = [[] for _ in range(R)]
     turns = np.zeros(R, np.int32)
@@ -138,6 +142,7 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
                 comp, truncated[r] = comp[:room], True
             ids[r] += comp
             mask[r] += [1] * len(comp)
+            tturn[r] += [turn] * len(comp)
             logp[r] += [float(x) for x in out["logprobs"][i, :len(comp)]]
             ver[r] += [int(row_version[i])] * len(comp)
             turns[r] += 1
@@ -153,6 +158,7 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
                 continue
             observation, reward, finished = value
             ret[r] += reward
+            turn_rewards[r, turn] = reward
             if finished or observation is None or turn + 1 == max_turns or truncated[r]:
                 done[r] = True
                 continue
@@ -162,11 +168,20 @@ def run_episodes(generate: Callable, envs: list, renderer: Renderer, examples: l
                 continue
             ids[r] += obs
             mask[r] += [0] * len(obs)
+            tturn[r] += [-1] * len(obs)
             logp[r] += [0.0] * len(obs)
             ver[r] += [-1] * len(obs)
             messages[r].append({"role": renderer.role, "content": observation})
-    rewards = np.where(np.array(kinds) == "ok", ret, default).astype(np.float32)
+    ok = np.array(kinds) == "ok"
+    rewards = np.where(ok, ret, default).astype(np.float32)
+    # returns-to-go: what turn k's tokens could still influence (a failed episode: the default from every turn)
+    returns = np.flip(np.cumsum(np.flip(turn_rewards, 1), 1), 1)
+    returns = np.where(ok[:, None], returns, default).astype(np.float32)
+    token_turns = np.full((R, max_tokens), -1, np.int32)
+    for r in range(R):
+        token_turns[r, :len(tturn[r])] = tturn[r]
     return _layout(first, prompts, ids, mask, logp, ver, renderer, max_tokens) | {
+        "turn_returns": returns, "token_turns": token_turns} | {
         k: v for k, v in acc.items()} | {
         "rewards": rewards, "reward_kinds": kinds, "reward_details": details, "turns": turns,
         "truncated": truncated, "env_seconds": env_s,
