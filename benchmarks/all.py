@@ -436,7 +436,7 @@ def block_envs(doc: dict, path: Path) -> str:
     e = _part(doc, "envs")
     runs = e["result"]["runs"]
     head = (f"Measured from {_src(doc, path, 'envs')}, {_load(e)} over the part, seed 0: each example until its "
-            "`trainer.target_reward` (0.9, last-5 mean) or 150 steps, then the same config with `env.max_turns=1` "
+            "`trainer.target_reward` (0.9, last-5 mean) or its `trainer.steps`, then the same config with `env.max_turns=1` "
             "(the policy's first turn only) for as many steps. Measured, not tested (the suite's bound: "
             "`tests/test_e2e_envs.py` checks the guess game's `max_turns=1` last-5 mean ≤ 0.15 after 20 steps).")
     rows = ["| example | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "

@@ -1,6 +1,6 @@
-"""The two bundled multi-turn examples from random init, and each with the environment's turn removed.
+"""The two learning multi-turn examples (tool lookup, guess game) from random init, and each with the environment's turn removed.
 
-    .venv/bin/python benchmarks/envs.py [--examples calculator,guess] [--seed 0] [--out FILE]
+    .venv/bin/python benchmarks/envs.py [--examples lookup,guess] [--seed 0] [--out FILE]
 
 For each example: ``rltpu train configs/env_<example>.yaml`` (until its target reward or its step
 limit), then the same config with ``env.max_turns=1`` for as many steps as the first run took (the
@@ -31,7 +31,7 @@ def run(config: str, seed: int, *overrides: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", default="calculator,guess")
+    ap.add_argument("--examples", default="lookup,guess")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

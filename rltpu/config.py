@@ -248,7 +248,7 @@ class TaskConfig(_Section):
     template); every other column reaches the reward function in ``example``.
     """
 
-    name: Literal["copy", "reverse", "sort", "calc", "guess"] = "copy"  # calc, guess: played through env
+    name: Literal["copy", "reverse", "sort", "calc", "guess", "lookup"] = "copy"  # calc, guess, lookup: through env
     alphabet: str | None = None  # the char tokenizer's characters; None: the task's own (rltpu.data.synthetic)
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
@@ -665,9 +665,10 @@ class RunConfig(_Section):
             _check_lora(self)
         if self.env is not None:
             _check_env(self)
-        elif self.task.name in ("calc", "guess") and self.task.dataset is None:
+        elif self.task.name in ("calc", "guess", "lookup") and self.task.dataset is None:
+            env = {"calc": "calculator:Calculator", "guess": "guess:GuessNumber", "lookup": "lookup:Lookup"}[self.task.name]
             raise ValueError(f"task.name={self.task.name} is played through an environment: add env.path "
-                             f"(rltpu.data.envs.{'calculator:Calculator' if self.task.name == 'calc' else 'guess:GuessNumber'}) "
+                             f"(rltpu.data.envs.{env}) "
                              f"or pick copy/reverse/sort")
         if self.placement.staleness and self.trainer.dynamic_sampling:
             raise ValueError("placement.staleness > 0 with trainer.dynamic_sampling is not supported (a refill "

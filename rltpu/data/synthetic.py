@@ -14,10 +14,10 @@ import numpy as np
 
 TASK_PREFIX = {"copy": "c", "reverse": "r", "sort": "s"}
 # tasks played through an environment (``rltpu.data.envs``): their examples carry what the environment needs
-ENV_TASKS = ("calc", "guess")
+ENV_TASKS = ("calc", "guess", "lookup")
 # their characters (the char tokenizer's alphabet): digits, the tool call '<' and '*', '=' before an
 # answer; guesses, the feedback '<' (lower) / '>' (higher), '?' to start and '!' for an invalid guess
-TASK_ALPHABET = {"calc": "0123456789*=<", "guess": "0123456789?<>!"}
+TASK_ALPHABET = {"calc": "0123456789*=<", "guess": "0123456789?<>!", "lookup": "0123456789?=<"}
 
 
 def make_example(task: str, index: int, seed: int, min_digits: int, max_digits: int) -> dict:
@@ -25,6 +25,11 @@ def make_example(task: str, index: int, seed: int, min_digits: int, max_digits: 
     if task == "calc":  # rltpu.data.envs.calculator: a product of two numbers of min..max digits, via the tool
         a, b = (_number(rng, int(rng.integers(min_digits, max_digits + 1))) for _ in range(2))
         return {"id": index, "prompt": f"{a}*{b}=", "expression": f"{a}*{b}", "answer": str(a * b)}
+    if task == "lookup":  # rltpu.data.envs.lookup: a key's code, known only to the tool
+        from rltpu.data.envs.lookup import code
+
+        key = str(_number(rng, int(rng.integers(min_digits, max_digits + 1))))
+        return {"id": index, "prompt": f"?{key}=", "key": key, "answer": code(key)}
     if task == "guess":  # rltpu.data.envs.guess: a secret digit found from higher/lower feedback
         secret = int(rng.integers(0, 10))
         return {"id": index, "prompt": "?", "secret": secret, "answer": str(secret)}
