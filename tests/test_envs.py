@@ -138,6 +138,42 @@ def test_turn_credit_layout_and_advantages_by_hand():
         build_train_batch({k: v for k, v in gen.items() if k != "turn_returns"}, out["rewards"], 4, turn_credit=True)
 
 
+def test_lookup_tool_by_hand():
+    """The lookup example: a call ('<' alone) gets the key's code and the call's share; the answer is
+    graded against that code; anything else ends the episode at 0. Codes are uniform over their digits
+    (so a policy cannot guess them), and the synthetic examples' answers are the tool's codes."""
+    from collections import Counter
+
+    from rltpu.data.envs.lookup import Lookup, code
+
+    ex = make_example("lookup", 3, 0, 3, 3)
+    assert ex["prompt"] == f"?{ex['key']}=" and len(ex["key"]) == 3 and ex["answer"] == code(ex["key"])
+    env = Lookup()
+    assert env.reset(ex) == ex["prompt"]
+    obs, r, done = env.step([], "<")
+    assert (obs, r, done) == (f"{ex['answer']}=", 0.2, False)
+    wrong = ex["answer"][0] + ("0" if ex["answer"][1] != "0" else "1") + ex["answer"][2]
+    assert env.step([], wrong) == (None, pytest.approx(0.8 * 2 / 3), True)
+    env.reset(ex)
+    assert env.step([], "<<") == (None, 0.0, True) and env.value is None  # not a call
+    env.reset(ex)
+    env.step([], "<")
+    assert env.step([], ex["answer"]) == (None, pytest.approx(0.8), True)
+    # the tool's table: deterministic, differs per table, each digit about uniform over 3000 keys
+    assert code("574") == code("574") != code("574", table=1)
+    counts = Counter(d for k in range(3000) for d in code(str(k)))
+    assert set(counts) == set("0123456789") and max(counts.values()) < 1.15 * 900 and min(counts.values()) > 0.85 * 900
+    with pytest.raises(ValueError, match="digits"):
+        Lookup(digits=0)
+    # without the tool's turn (max_turns=1), a call is all an episode can earn: at most its share
+    tok = CharTokenizer(TASK_ALPHABET["lookup"])
+    for first in ("<", ex["answer"], "<" + ex["answer"]):
+        comp = tok.encode(first, add_bos=False) + [tok.eos_id]
+        generate, _ = _fake_generate({0: comp}, [0])
+        out = run_episodes(generate, [Lookup(), Lookup()], Renderer(tok), [ex], 2, 0, 1, 10, 16, direct_call)
+        assert (out["rewards"] <= 0.2 + 1e-6).all() and (out["turns"] == 1).all()
+
+
 def test_environment_tokens_carry_zero_loss_weight():
     """The trainer's batch masks observations out of the loss and the advantages, and its
     gradients do not change whatever those positions' advantages and old logprobs say."""
