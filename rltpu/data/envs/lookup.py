@@ -1,9 +1,9 @@
 """Bundled example 1, tool use: answer a code only a lookup tool knows.
 
-    prompt       ?37=          what is the code of key 37?
+    prompt       ?574=         what is the code of key 574?
     policy       <             a call (the tool reads the key from the question)
-    environment  6025=         the tool's answer: the key's code in its table
-    policy       6025          the answer
+    environment  935=          the tool's answer: the key's code in its table
+    policy       935           the answer
 
 Reward: ``call_credit`` for a call ('<' alone), then ``1 - call_credit`` x the answer against the
 code, character by character (``partial_credit``); a completion that is not a call ends the episode
@@ -11,8 +11,9 @@ at 0. The codes are hashes of the key (uniform digits, ``code``): no policy can 
 without the environment's turn (``max_turns: 1``) the reward stays at the call's share and what the
 policy learns is to read the tool's answer. Train with ``env.credit: turn``: with one advantage
 per episode the call's reward also rewards whatever the answer turn wrote, and the policy learns to
-write '<' again (seed 0: reward 0.20 and entropy 0.01 from step 60 to 120), where per-turn credit
-reads the code (0.67 at step 120 and rising, four-digit codes).
+write '<' again: ``rltpu train configs/env_lookup.yaml env.credit=episode trainer.steps=100`` (seed 0,
+measured by hand) sat at exactly 0.200 from step 30 to 100, answering '<', entropy 0.03 by step 50;
+the same config with per-turn credit reaches last-5 0.90 at step 100 (README, envs).
 
 Why not the calculator (``rltpu.data.envs.calculator``): a product's digits are partly guessable from
 its operands (leading digits, Benford), and every variant tried settled on guessed digits before
