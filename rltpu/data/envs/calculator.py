@@ -43,6 +43,12 @@ about 125 steps fit the 5-minute budget):
   policy never called (it farmed leading digits, 0.17 at step 84); uncredited, calls were learned by
   step 15, then the answers settled on the leading digits products often have ('20000', '11111'; Benford):
   0.42 at step 82, entropy 0.13; with ``trainer.kl_coef=0.05`` 0.40 at step 78, entropy 0.95.
+Two more on 2026-12-02 (not bundled): a call without arguments ('<'; the tool reads the question) and
+the product zero-padded to four digits, so the answer copies the result at one fixed distance as in
+the quickstart: 0.47 at step 130 with one advantage per episode, 0.49 at step 120 with per-turn credit
+(``env.credit: turn``); both answered the result's first one or two digits and repeated them
+('2214' -> '2211'). The same machinery on codes with uniform digits learns (``rltpu.data.envs.lookup``,
+the bundled tool-use example), which points at the products' guessable digits.
 What is open is faster exploration of the answer (per-token credit instead of per episode, an answer
 whose digits cannot be guessed, a stronger model) without the collapse.
 
