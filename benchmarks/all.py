@@ -458,22 +458,16 @@ def block_lora(doc: dict, path: Path) -> str:
     head = (f"Measured from {_src(doc, path, 'lora')}, {_load(e)} over the part, seed 0: `rltpu train "
             "configs/quickstart.yaml` until its `trainer.target_reward` (0.95, last-5 mean) or 100 steps, as configured "
             "and with `trainer.lora.rank=8 trainer.lr=3e-3` (default targets: the seven projections and `lm_head`); "
-            + ("then both on the Hugging Face example, `rltpu train configs/hf_chat.yaml` (a tiny random Llama "
-               "written by `transformers`, its word-level tokenizer and chat template, a chat JSONL file: "
-               f"`{'`, `'.join(runs_hf)}`), until its target 0.9 or 150 steps. " if (runs_hf := e["result"].get("hf_commands"))
-               else "then both with `model.path=BASE`, the same seeded init written as a Hugging Face directory by "
-                    "`rltpu export --adapters` (loaded through the checkpoint path, prompts through its `tokenizer.json`). ")
-            + 
+            "then both on the Hugging Face example, `rltpu train configs/hf_chat.yaml` (a tiny random Llama "
+            "written by `transformers`, its word-level tokenizer and chat template, a chat JSONL file: "
+            f"`{'`, `'.join(e['result']['hf_commands'])}`), until its target 0.9 or 150 steps. "
             "Bytes per sync: what each step's sync moved (the start-up sync, before step 1, sends the base too). "
             "Measured, not tested (the suite's bound: `tests/test_e2e_lora.py` checks that a LoRA run's reward rises "
             "and that every step's sync is adapter-only, the bytes equal to the adapters' by hand).")
     rows = ["| run | wall time, incl. Ray start and compilation | steps | mean reward, first 5 → last 5 | "
             "bytes per sync (each step) | median step | median sync |", "|---|---|---|---|---|---|---|"]
     names = {"full": "full-parameter", "lora_rank8": "LoRA rank 8, lr 3e-3",
-             **({"hf_full": "`hf_chat.yaml`: full-parameter", "hf_lora_rank8": "`hf_chat.yaml`: LoRA rank 8, lr 3e-3"}
-                if e["result"].get("hf_commands") else
-                {"hf_full": "from an HF directory: full-parameter",
-                 "hf_lora_rank8": "from an HF directory: LoRA rank 8, lr 3e-3"})}
+             "hf_full": "`hf_chat.yaml`: full-parameter", "hf_lora_rank8": "`hf_chat.yaml`: LoRA rank 8, lr 3e-3"}
     for name, r in runs.items():
         if "error" in r:
             rows.append(f"| {names.get(name, name)} | failed: see the results file | | | | | |")

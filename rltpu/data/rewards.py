@@ -46,12 +46,8 @@ def word_credit(completion: str, example: dict, column: str = "answer") -> float
     score (a word right here and there), so GRPO has a signal from step 1; only the exact answer
     (and nothing after it) scores 1.
     """
-    if column not in example:
-        raise ConfigError(f"rltpu.data.rewards:word_credit: the example has no '{column}' column (it has: "
-                          f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
-    got, want = completion.split(), str(example[column]).split()
-    hits = sum(a == b for a, b in zip(got, want))
-    return hits / max(len(want), len(got), 1)
+    want = _column(example, column, "word_credit")
+    return partial_credit(completion.split(), {"answer": str(want).split()})
 
 
 def exact_match(completion: str, example: dict) -> float:
@@ -72,12 +68,18 @@ def exact_answer(completion: str, example: dict, column: str = "answer") -> floa
     Use with a dataset file: ``task.reward_fn: rltpu.data.rewards:exact_answer`` and, for a column not
     called ``answer``, ``task.reward_kwargs: {column: reference}``.
     """
-    if column not in example:
-        raise ConfigError(f"rltpu.data.rewards:exact_answer: the example has no '{column}' column (it has: "
-                          f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
-    refs = example[column] if isinstance(example[column], (list, tuple)) else [example[column]]
+    value = _column(example, column, "exact_answer")
+    refs = value if isinstance(value, (list, tuple)) else [value]
     got = normalize_answer(completion)
     return float(any(got == normalize_answer(r) for r in refs))
+
+
+def _column(example: dict, column: str, fn: str):
+    """``example[column]``, or a one-line error naming the reward function and the fix."""
+    if column not in example:
+        raise ConfigError(f"rltpu.data.rewards:{fn}: the example has no '{column}' column (it has: "
+                          f"{', '.join(map(str, example))}); add it to the dataset or set task.reward_kwargs.column")
+    return example[column]
 
 
 def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
