@@ -31,6 +31,7 @@ def train(run_dir, *overrides, address=None, timeout=420, extra=()):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.serial
 def test_quickstart_learns_with_chip_owning_actors(quickstart_run):
     # the run (tests/conftest.py; test_fault_tolerance.py compares a resumed run with its first steps):
     # `rltpu train configs/quickstart.yaml sync.verify_every=4 trainer.target_reward=0.8`, embedded Ray. It
@@ -106,6 +107,7 @@ def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     assert m[-1]["data_position"] == (meta["step"] + 2) * 64
 
 
+@pytest.mark.serial
 def test_joins_existing_ray_cluster(joined_quickstart_run):
     """``--address`` joins a running cluster (the suite's shared head: ``ray start --head`` with
     4 emulated TPU chips) instead of starting one. The run (tests/conftest.py) is the one

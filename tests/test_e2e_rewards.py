@@ -25,6 +25,7 @@ ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 G, PROMPTS, STEPS, TIMEOUT_S = 16, 64, 4, 1.0
 
 
+@pytest.mark.serial
 def test_faulty_rewards_are_defaulted_counted_and_bounded_and_eval_stays_out_of_training(joined_quickstart_run):
     # the run (tests/conftest.py, shared with test_e2e.py's joined-cluster check): the quickstart for STEPS
     # steps, task.reward_fn=tests.reward_faults:faulty_partial_credit with task.reward_timeout_s=TIMEOUT_S and

@@ -172,6 +172,7 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
     assert {"sampling", "training", "syncing"} <= {e["name"] for e in trace if e["ph"] == "X"}
 
 
+@pytest.mark.serial
 def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     """A SIGSTOPped sampler is detected within its phase deadline + 5 s, fenced and replaced."""
     run_dir, deadline = tmp_path / "run", 20
@@ -201,6 +202,7 @@ def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     assert check(read_ledger(run_dir / "ledger.jsonl"), 8, 64) == []
 
 
+@pytest.mark.serial
 def test_sigterm_resume_matches_uninterrupted_run(sigterm_resumed_run, quickstart_run):
     """SIGTERM mid-run, resume: same prompt ledger and rewards as one uninterrupted run. Both runs are
     shared (tests/conftest.py): the SIGTERM + resume is the one tests/test_interrupts.py reads (10 steps,

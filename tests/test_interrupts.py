@@ -27,6 +27,7 @@ def _stop_lines(text: str) -> list[str]:
     return [ln.strip() for ln in re.split(r"[\r\n]", text) if "rltpu: stopped by" in ln]
 
 
+@pytest.mark.serial
 def test_sigterm_with_progress_bar_after_an_update_checkpoints_and_resumes(sigterm_resumed_run):
     # the run (tests/conftest.py, shared with test_fault_tolerance.py's resume-equals-uninterrupted check):
     # fuzz.launch with progress=True on a pseudo-terminal, SIGTERM to the driver once >= 4 steps are logged

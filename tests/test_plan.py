@@ -457,6 +457,7 @@ def quickstart_against(tmp_path_factory, shared_ray_head):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_written_config_trains_and_against_reports_every_phase(quickstart_against):
     for phase in ("sample", "train", "sync", "step", "compile"):
         r = quickstart_against[phase]
@@ -465,6 +466,7 @@ def test_written_config_trains_and_against_reports_every_phase(quickstart_agains
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_quickstart_predictions_within_half(quickstart_against):
     """A cost-model bound, not a speed target: a missing or doubled term (FSDP's gathers, the driver's
     scoring, the Ray fan-out) moves a phase by 2x or more, while the same code measured minutes apart on

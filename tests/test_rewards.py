@@ -24,6 +24,8 @@ from rltpu.control.rewards import RewardFailureError, RewardPool
 from rltpu.data.rewards import DeadlineRunner
 from rltpu.observe.health import HealthError
 
+# wall-clock bounds of about one deadline (0.4 s + 1 s): run alone, after the parallel part (make test)
+pytestmark = pytest.mark.serial
 SLEEP_S = 1.5
 
 
