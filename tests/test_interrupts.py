@@ -58,3 +58,48 @@ def test_ctrl_c_during_start_up_is_one_line_and_the_run_can_resume(tmp_path):
     resume, out2 = fuzz.launch(run_dir, 2, progress=False, resume=True)
     assert resume.wait(timeout=1200) == 0, out2()[-3000:]
     assert check(read_ledger(run_dir / "ledger.jsonl"), 2, 64) == []
+
+
+# the CLI with one change: the ledger commit of step AT (inside the train dispatch's deferred section, where a
+# signal is held and raised as the section ends) sends the driver SIGTERM; runs on the suite's Ray head
+_SIGTERM_IN_DISPATCH = """
+import os, signal, sys
+from rltpu.control import rollouts
+AT, orig = int(sys.argv[1]), rollouts.PromptDraws.commit
+def commit(self, step, version, behaviour_version=None):
+    orig(self, step, version, behaviour_version)
+    if step == AT:
+        os.kill(os.getpid(), signal.SIGTERM)
+rollouts.PromptDraws.commit = commit
+from rltpu.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_signal_during_the_train_dispatch_counts_the_dispatched_update(shared_ray_head, tmp_path):
+    """The batch reached the trainers, so the update lands: the checkpoint is step 2 with weight version 2
+    and step 2 has its metrics line (a signal raised as the dispatch section ended used to skip both:
+    checkpoint step 2 with version 1, no line for step 2, every later version one short)."""
+    import json
+    import subprocess
+    import sys
+
+    from rltpu.observe.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    args = ["train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}", "progress=false",
+            "trainer.steps=3", "trainer.target_reward=null", "sync.verify_every=0", "--address", shared_ray_head]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    res = subprocess.run([sys.executable, "-c", _SIGTERM_IN_DISPATCH, "2", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 143 and _stop_lines(res.stderr) == [
+        f"rltpu: stopped by SIGTERM at step 2 (in train); checkpoint in {run_dir / 'checkpoint'} (continue with --resume)"
+    ], res.stderr[-3000:]
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    assert (state["step"], state["weight_version"]) == (2, 2)
+    assert [(r["step"], r["weight_version"]) for r in read_metrics(run_dir / "metrics.jsonl")] == [(1, 1), (2, 2)]
+    res = subprocess.run([sys.executable, "-m", "rltpu.cli", *args, "--resume"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [(r["step"], r["weight_version"]) for r in read_metrics(run_dir / "metrics.jsonl")] == [(1, 1), (2, 2), (3, 3)]
+    assert check(read_ledger(run_dir / "ledger.jsonl"), 3, 64) == []

@@ -425,14 +425,17 @@ class Controller:
                                   turn_credit=cfg.env is not None and cfg.env.credit == "turn")
         t1 = time.perf_counter()
         parts = self._per_trainer(batch)
-        with INTERRUPTS.deferred():  # the batch reaching the trainers, the step count and the ledger line: all or none
-            refs = [t.train_step.remote(b) for t, b in zip(trainers, parts)]
-            self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
-            self.draws.commit(self.step_idx, self.version, int(np.min(gen["versions"])))
-        self.rollouts.current = None
-        stats = sync = probe = None
+        stats = sync = probe = refs = None
         train_s = 0.0
         try:
+            # the batch reaching the trainers, the step count and the ledger line: all or none. A signal
+            # during them is raised as the block ends, inside this try: the update is dispatched, so
+            # the handler below counts it (a checkpoint of step k holds k updates and has k's line)
+            with INTERRUPTS.deferred():
+                refs = [t.train_step.remote(b) for t, b in zip(trainers, parts)]
+                self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
+                self.draws.commit(self.step_idx, self.version, int(np.min(gen["versions"])))
+                self.rollouts.current = None
             stats = self._per_shard(ray.get(refs))
             train_s = time.perf_counter() - t1
             self.version += 1
@@ -442,6 +445,8 @@ class Controller:
                 self.phase = "probe"
                 probe = self.weights.probe(self.probe)
         except KeyboardInterrupt:
+            if refs is None:  # raised before the dispatch: nothing reached the trainers
+                raise
             # the update lands anyway (the final checkpoint queues behind it on the trainers): count
             # it and log the step with the figures it has (sync/probe may be missing), so metrics
             # and checkpoint agree on the step
