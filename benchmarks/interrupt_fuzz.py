@@ -1,7 +1,8 @@
 """Interrupt fuzz (issue 19): SIGTERM and SIGINT at random moments of a quickstart run, progress bar
 on (a real pseudo-terminal, so tqdm draws) and off; every interrupt must end with exit 143/130, one
 ``rltpu: stopped by ...`` line and no traceback, a checkpoint that verifies (or, stopped during
-start-up, none needed), and a ``--resume`` to the end whose ledger has no prompt lost or replayed.
+start-up, none needed), and a ``--resume`` to the end whose ledger has no prompt lost or replayed and
+whose metrics.jsonl has one line per step, in order, each at weight version = step.
 
     python benchmarks/interrupt_fuzz.py --trials 20 --steps 4            # 20 moments x 2 signals
     python benchmarks/interrupt_fuzz.py --trials 2 --steps 3 --out f.json  # a reduced run
@@ -143,6 +144,13 @@ def trial(i: int, sig: int, progress: bool, delay: float, steps: int, base: Path
     ledger_problems = check(read_ledger(run_dir / "ledger.jsonl"), steps, 64)
     if ledger_problems:
         problems.append(f"ledger: {ledger_problems}")
+    from rltpu.observe.metrics import read_metrics
+
+    # one metrics line per step, in order, each after exactly that many updates (a signal during the train
+    # dispatch once left a checkpoint one version short and its step without a line; the ledger was clean)
+    lines = [(r["step"], r.get("weight_version")) for r in read_metrics(run_dir / "metrics.jsonl")]
+    if lines != [(k, k) for k in range(1, steps + 1)]:
+        problems.append(f"metrics (step, weight_version): {lines}")
     res["problems"] = problems
     return res
 
