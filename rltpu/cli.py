@@ -100,8 +100,9 @@ def _cmd_train(args) -> int:
     except KeyboardInterrupt:  # before the controller existed
         INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
-        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran; run again "
-              f"(--resume also starts from step 0 here)", file=sys.stderr, flush=True)
+        # nothing was written yet, so the same command (with or without --resume) starts where it would have
+        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran; nothing was written, "
+              f"run the same command again", file=sys.stderr, flush=True)
         return INTERRUPTS.exit_code()
     finally:
         if INTERRUPTS.received or INTERRUPTS.late:  # already answered with its line: a second one is ignored
