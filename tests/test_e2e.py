@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import MECHANICS, MECHANICS_PROMPTS
 
 from learner.checkpoint import load_checkpoint
 from rltpu.observe.metrics import read_metrics
@@ -84,7 +85,7 @@ def test_quickstart_learns_with_chip_owning_actors(quickstart_run):
 def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
-           "trainer.steps=400", "trainer.target_reward=null"]
+           "trainer.steps=400", "trainer.target_reward=null", *MECHANICS]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
@@ -99,12 +100,12 @@ def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     _model, _optim, meta = load_checkpoint(run_dir / "checkpoint")
     # the checkpoint holds what the trainer holds: the last step whose update landed
     assert meta["step"] in (done, done + 1)
-    assert meta["data"]["position"] == meta["step"] * 64
-    res = train(run_dir, f"trainer.steps={meta['step'] + 2}", extra=["--resume"])
+    assert meta["data"]["position"] == meta["step"] * MECHANICS_PROMPTS
+    res = train(run_dir, f"trainer.steps={meta['step'] + 2}", *MECHANICS, extra=["--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(metrics)
     assert [r["step"] for r in m[-2:]] == [meta["step"] + 1, meta["step"] + 2]
-    assert m[-1]["data_position"] == (meta["step"] + 2) * 64
+    assert m[-1]["data_position"] == (meta["step"] + 2) * MECHANICS_PROMPTS
 
 
 @pytest.mark.serial

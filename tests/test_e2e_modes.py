@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import MECHANICS_PROMPTS, SMALL_BATCH
 
 from rltpu.observe.ledger import check, effective, read_ledger
 from rltpu.observe.metrics import read_metrics
@@ -116,8 +117,8 @@ def test_colocated_learns_one_process_per_chip_and_survives_a_kill(ray_head, tmp
 def test_async_sigterm_resume_loses_and_replays_no_prompt(ray_head, tmp_path):
     """Staleness 2: when SIGTERM lands, rollouts for later steps are in flight; the checkpoint's
     cursor sits before their prompts, so the resumed run draws them again, once."""
-    run_dir, steps = tmp_path / "run", 12
-    args = (*ASYNC[1:], "placement.staleness=2", f"trainer.steps={steps}", "sync.verify_every=0")
+    run_dir, steps, P = tmp_path / "run", 16, MECHANICS_PROMPTS
+    args = (*ASYNC[1:], "placement.staleness=2", f"trainer.steps={steps}", "sync.verify_every=0", *SMALL_BATCH)
     proc = train(run_dir, ray_head, *args, wait=False)
     deadline = time.time() + 400
     while not ((run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir / "metrics.jsonl")) >= 4):
@@ -131,10 +132,10 @@ def test_async_sigterm_resume_loses_and_replays_no_prompt(ray_head, tmp_path):
     done = state["step"]
     assert 4 <= done < steps
     in_flight = state["in_flight_prompts"]
-    assert in_flight and len(in_flight) % 64 == 0, len(in_flight)  # whole steps were in flight
-    assert state["data"]["position"] == done * 64  # the cursor excludes them
+    assert in_flight and len(in_flight) % P == 0, len(in_flight)  # whole steps were in flight
+    assert state["data"]["position"] == done * P  # the cursor excludes them
     m = train(run_dir, ray_head, *args, "--resume")
     assert m[-1]["step"] == steps
     lines = read_ledger(run_dir / "ledger.jsonl")
-    assert check(lines, steps, 64) == []  # every step once, prompts contiguous, none twice
-    assert effective(lines)[done + 1] == in_flight[:64]  # the first resumed step trains what was in flight
+    assert check(lines, steps, P) == []  # every step once, prompts contiguous, none twice
+    assert effective(lines)[done + 1] == in_flight[:P]  # the first resumed step trains what was in flight

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import MECHANICS, MECHANICS_PROMPTS
 
 from rltpu.observe.ledger import check, read_ledger
 
@@ -46,7 +47,7 @@ def test_sigterm_with_progress_bar_after_an_update_checkpoints_and_resumes(sigte
 
 def test_ctrl_c_during_start_up_is_one_line_and_the_run_can_resume(tmp_path):
     run_dir = tmp_path / "run"
-    proc, output = fuzz.launch(run_dir, 2, progress=False)
+    proc, output = fuzz.launch(run_dir, 2, progress=False, extra=MECHANICS)
     deadline = time.time() + 300
     while time.time() < deadline and not (run_dir / "config.yaml").exists():  # inside start(): Ray starting
         time.sleep(0.1)
@@ -55,9 +56,9 @@ def test_ctrl_c_during_start_up_is_one_line_and_the_run_can_resume(tmp_path):
     text = output()
     assert proc.returncode == 130, text[-3000:]
     assert "Traceback" not in text and len(_stop_lines(text)) == 1, text[-3000:]
-    resume, out2 = fuzz.launch(run_dir, 2, progress=False, resume=True)
+    resume, out2 = fuzz.launch(run_dir, 2, progress=False, resume=True, extra=MECHANICS)
     assert resume.wait(timeout=1200) == 0, out2()[-3000:]
-    assert check(read_ledger(run_dir / "ledger.jsonl"), 2, 64) == []
+    assert check(read_ledger(run_dir / "ledger.jsonl"), 2, MECHANICS_PROMPTS) == []
 
 
 # the CLI with one change: the ledger commit of step AT (inside the train dispatch's deferred section, where a
@@ -88,7 +89,7 @@ def test_a_signal_during_the_train_dispatch_counts_the_dispatched_update(shared_
 
     run_dir = tmp_path / "run"
     args = ["train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}", "progress=false",
-            "trainer.steps=3", "trainer.target_reward=null", "sync.verify_every=0", "--address", shared_ray_head]
+            "trainer.steps=3", "trainer.target_reward=null", "sync.verify_every=0", *MECHANICS, "--address", shared_ray_head]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     res = subprocess.run([sys.executable, "-c", _SIGTERM_IN_DISPATCH, "2", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -102,4 +103,4 @@ def test_a_signal_during_the_train_dispatch_counts_the_dispatched_update(shared_
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [(r["step"], r["weight_version"]) for r in read_metrics(run_dir / "metrics.jsonl")] == [(1, 1), (2, 2), (3, 3)]
-    assert check(read_ledger(run_dir / "ledger.jsonl"), 3, 64) == []
+    assert check(read_ledger(run_dir / "ledger.jsonl"), 3, MECHANICS_PROMPTS) == []
