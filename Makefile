@@ -29,9 +29,11 @@ demo: setup
 # Two parts: everything but the `serial` tests on 2 xdist workers (the suite keeps 2 cores about 96% busy
 # either way; overlapping one test's waits with another's work took its serial 34 min to 28.5), then the
 # `serial` ones alone: wall-clock bounds (fencing latency, reward deadlines, the planner against a real run)
-# and the session runs they share. --durations: the slowest tests, for whoever shortens CI next.
+# and the session runs they share. --dist loadgroup: tests marked with one xdist_group share a worker, so a
+# session run they read (the quickstart, its SIGTERM + resume) is made once. --durations: the slowest tests,
+# for whoever shortens CI next.
 test: setup browser
-	$(PY) -m pytest -q -n 2 -m "not serial" --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=25
 	$(PY) -m pytest -q -m serial --durations=10
 
 # `make -j2 test` (.ci/run) installs the venv and Chromium side by side (network and unpacking, not CPU).

@@ -32,7 +32,7 @@ def train(run_dir, *overrides, address=None, timeout=420, extra=()):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.serial
+@pytest.mark.xdist_group("quickstart")  # one worker runs the session runs these tests share (--dist loadgroup)
 def test_quickstart_learns_with_chip_owning_actors(quickstart_run):
     # the run (tests/conftest.py; test_fault_tolerance.py compares a resumed run with its first steps):
     # `rltpu train configs/quickstart.yaml sync.verify_every=4 trainer.target_reward=0.8`, embedded Ray. It

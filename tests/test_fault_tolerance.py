@@ -202,7 +202,7 @@ def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     assert check(read_ledger(run_dir / "ledger.jsonl"), 8, 64) == []
 
 
-@pytest.mark.serial
+@pytest.mark.xdist_group("quickstart")  # one worker runs the session runs these tests share (--dist loadgroup)
 def test_sigterm_resume_matches_uninterrupted_run(sigterm_resumed_run, quickstart_run):
     """SIGTERM mid-run, resume: same prompt ledger and rewards as one uninterrupted run. Both runs are
     shared (tests/conftest.py): the SIGTERM + resume is the one tests/test_interrupts.py reads (10 steps,

@@ -28,7 +28,7 @@ def _stop_lines(text: str) -> list[str]:
     return [ln.strip() for ln in re.split(r"[\r\n]", text) if "rltpu: stopped by" in ln]
 
 
-@pytest.mark.serial
+@pytest.mark.xdist_group("quickstart")  # one worker runs the session runs these tests share (--dist loadgroup)
 def test_sigterm_with_progress_bar_after_an_update_checkpoints_and_resumes(sigterm_resumed_run):
     # the run (tests/conftest.py, shared with test_fault_tolerance.py's resume-equals-uninterrupted check):
     # fuzz.launch with progress=True on a pseudo-terminal, SIGTERM to the driver once >= 4 steps are logged
