@@ -28,8 +28,11 @@ pytestmark = pytest.mark.slow
 ASYNC = ["placement.staleness=1", "trainer.off_policy_correction=tis"]
 COLOCATED = ["placement.mode=colocated", "placement.sampler_chips=4", "placement.trainer_chips=4"]
 
-# the learning claims stop a run once shown: last-5 mean reward >= 0.8 (trainer.target_reward)
-LEARN = ["trainer.target_reward=0.8", "trainer.target_window=5"]
+# the learning claims stop a run once shown: last-5 mean reward >= 0.5 from a first-5 <= 0.2 (the quickstart's
+# own 0.8 claim is test_e2e.py's), on half its prompts a step at 3x its lr (as tests/test_e2e_algorithms.py)
+TARGET, PROMPTS = 0.5, 32
+LEARN = [f"trainer.target_reward={TARGET}", "trainer.target_window=5", f"trainer.prompts_per_step={PROMPTS}",
+         "sampler.batch_buckets=[256]", "trainer.lr=3e-3"]
 
 
 @pytest.fixture()
@@ -57,7 +60,7 @@ def test_async_staleness_1_learns_within_its_bound(ray_head, tmp_path):
     first5, last5 = rewards(m)
     print(f"async s=1: reward {first5:.3f} -> {last5:.3f} in {len(m)} steps; "
           f"median step {statistics.median(r['step_s'] for r in m):.3f}s")
-    assert len(m) <= 100 and first5 <= 0.2 and last5 >= 0.8, (len(m), first5, last5)
+    assert len(m) <= 100 and first5 <= 0.2 and last5 >= TARGET, (len(m), first5, last5)
     # every row of step k came from the weights one version behind the policy it trains (k-2 after
     # k-1 updates), never more: the bound, read back from the versions the samplers stamped
     assert all(r["staleness"] <= 1 for r in m)
@@ -67,7 +70,7 @@ def test_async_staleness_1_learns_within_its_bound(ray_head, tmp_path):
     # (a timing ratio stopped telling it apart once the continuous engine made a rollout ~0.05 s)
     assert all(r["rollouts_in_flight"] == 1 for r in m[:-1]), [r["rollouts_in_flight"] for r in m]
     lines = read_ledger(tmp_path / "run" / "ledger.jsonl")
-    assert check(lines, len(m), 64) == []
+    assert check(lines, len(m), PROMPTS) == []
     assert all(d["weight_version"] - d["behaviour_version"] == min(d["step"] - 1, 1) for d in lines)
 
 
@@ -94,11 +97,11 @@ def test_colocated_learns_one_process_per_chip_and_survives_a_kill(ray_head, tmp
     by_step = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}  # a redone step keeps its last line
     steps = max(by_step)
     assert 12 < steps <= 100
-    assert check(read_ledger(run_dir / "ledger.jsonl"), steps, 64) == []
+    assert check(read_ledger(run_dir / "ledger.jsonl"), steps, PROMPTS) == []
     m = [by_step[k] for k in range(1, steps + 1)]
     first5, last5 = rewards(m)
     print(f"colocated: reward {first5:.3f} -> {last5:.3f} in {steps} steps; peak RSS per process {m[-1]['proc_peak_rss_mb']:.0f} MB")
-    assert first5 <= 0.2 and last5 >= 0.8, (first5, last5)
+    assert first5 <= 0.2 and last5 >= TARGET, (first5, last5)
     assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)  # on-policy
     probes = [r["sync_probe_max_diff"] for r in m if r["sync_probe_max_diff"] is not None]
     assert probes and max(probes) <= 1e-4, probes  # the in-process sampler holds the trainer's weights
