@@ -21,16 +21,19 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_learns_with_both_engines_tensor_parallel(tmp_path):
     run_dir = tmp_path / "run"
-    # one sampler owns 2 chips and draws all 64 x 16 rows per step (one 1024-row bucket)
-    # the claim is a last-5 mean reward >= 0.8: the run stops once it is shown (not at the quickstart's 0.95)
+    # one sampler owns 2 chips and draws all 32 x 16 rows per step (one 512-row bucket): half the quickstart's
+    # prompts at 3x its lr (as tests/test_e2e_algorithms.py); the claim is a last-5 mean reward >= 0.5 from a
+    # first-5 <= 0.2, and the run stops once it is shown (the quickstart's own 0.8 claim is test_e2e.py's)
     res = train(run_dir, "placement.chips_per_sampler=2", "placement.chips_per_trainer=2",
-                "sampler.batch_buckets=[1024]", "sync.verify_every=5", "trainer.target_reward=0.8", timeout=900)
+                "trainer.prompts_per_step=32", "trainer.lr=3e-3", "sampler.batch_buckets=[512]", "sync.verify_every=5",
+                "trainer.target_reward=0.5", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(run_dir / "metrics.jsonl")
     n = len(m)
-    assert n == 100 or "trainer.target_reward=0.8 reached at step" in res.stderr, (n, res.stderr[-2000:])
+    assert n == 100 or "trainer.target_reward=0.5 reached at step" in res.stderr, (n, res.stderr[-2000:])
+    first5 = sum(r["reward_mean"] for r in m[:5]) / 5
     last5 = sum(r["reward_mean"] for r in m[-5:]) / 5
-    assert last5 >= 0.8, last5
+    assert first5 <= 0.2 and last5 >= 0.5, (first5, last5)
     assert all(r["compiles"] == 0 for r in m[1:])
     assert all(r["sampler_versions"] == [r["weight_version"] - 1] for r in m)
     # the sharded sampler's logits equal the trainer's after syncs into the mesh
