@@ -259,7 +259,8 @@ TEST_BOUNDS = [  # (test file, code the test runs): each bound quoted in a block
     ("tests/test_e2e.py", "assert first5 <= 0.2 and last5 >= 0.8"),
     ("tests/test_e2e.py", 'assert all(r["compiles"] == 0 for r in m[1:])'),
     ("tests/test_e2e.py", "max(probes) <= 1e-4"),
-    ("tests/test_e2e_modes.py", "last5 >= 0.8"),
+    ("tests/test_e2e_modes.py", "first5 <= 0.2 and last5 >= TARGET"),
+    ("tests/test_e2e_modes.py", "TARGET, PROMPTS = 0.5, 32"),
     ("tests/test_plan.py", "assert all(abs(e) <= 0.50 for e in errs.values())"),
     ("tests/test_e2e_algorithms.py", "STEPS = 30"),
     ("tests/test_e2e_algorithms.py", "assert last5 > first5 + 0.1"),
@@ -427,7 +428,8 @@ def block_benchmarks(doc: dict, path: Path) -> str:
         f"{_pct(t['fsdp']['frac_of_peak'])} of each rank's one-core peak; FSDP time per token is "
         f"{t['fsdp_overhead_ratio']:.2f}× the single process.",
         "- Algorithm presets: no figures here. `tests/test_e2e_algorithms.py` checks that each preset's last-5 mean "
-        "reward beats its first 5 by more than 0.1 within 30 steps; `benchmarks/algorithms.py` prints the 100-step "
+        "reward beats its first 5 by more than 0.1 within 30 steps (on half the quickstart's prompts a step at 3x its lr, "
+        "one sampler and one trainer chip); `benchmarks/algorithms.py` prints the 100-step "
         "figures.",
     ])
 

@@ -27,9 +27,9 @@ PROMPTS = 16
 SMALL = (f"trainer.prompts_per_step={PROMPTS}", "sampler.batch_buckets=[128]")
 
 
-def _train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, address: str, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs/env_guess.yaml"),
-                           f"run_dir={run_dir}", "progress=false", *SMALL, *overrides],
+                           f"run_dir={run_dir}", "progress=false", *SMALL, *overrides, "--address", address],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800)
 
 
@@ -37,12 +37,12 @@ def _mean(rs, key="reward_mean"):
     return sum(r[key] for r in rs) / len(rs)
 
 
-def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_bound(tmp_path):
+def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_bound(tmp_path, shared_ray_head):
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"prompt": "?", "secret": s}) + "\n" for s in range(10)))
     run = tmp_path / "run"
     steps = 6
-    res = _train(run, "placement.staleness=1", "trainer.off_policy_correction=tis", f"trainer.steps={steps}",
+    res = _train(run, shared_ray_head, "placement.staleness=1", "trainer.off_policy_correction=tis", f"trainer.steps={steps}",
                  "trainer.target_reward=null", f"eval.dataset={held}", "eval.every_steps=3", "eval.samples=4",
                  "eval.k=2", "loggers.samples=2")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -68,8 +68,9 @@ def test_async_multi_turn_steps_with_eval_keep_the_ledger_and_the_staleness_boun
         assert 0 <= r["eval/accuracy"] <= 1 and r["eval/reward_failures"] == 0
 
 
-def test_without_the_environments_turn_the_reward_stays_low(tmp_path):
-    res = _train(tmp_path / "run", "env.max_turns=1", "trainer.steps=20", "trainer.target_reward=null")
+def test_without_the_environments_turn_the_reward_stays_low(tmp_path, shared_ray_head):
+    res = _train(tmp_path / "run", shared_ray_head, "env.max_turns=1", "trainer.steps=20", "trainer.target_reward=null",
+                 "placement.sampler_chips=1", "placement.trainer_chips=1", "sampler.batch_buckets=[256]")
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(m) == 20 and all(r["env_turns_mean"] == 1.0 for r in m)

@@ -60,10 +60,10 @@ def check_lora_run(run_dir: Path, learns: bool = False) -> dict:
     return {"steps": len(m), "first5": first5, "last5": last5, "sync_bytes": want, "probe_max": max(probes)}
 
 
-def test_quickstart_with_lora_syncs_adapters_only(tmp_path):
+def test_quickstart_with_lora_syncs_adapters_only(tmp_path, shared_ray_head):
     run_dir = tmp_path / "lora"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
-           *OVERRIDES]
+           *OVERRIDES, "--address", shared_ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = check_lora_run(run_dir)

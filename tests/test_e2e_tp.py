@@ -19,14 +19,14 @@ from test_e2e import QUICKSTART, train
 pytestmark = pytest.mark.slow
 
 
-def test_quickstart_learns_with_both_engines_tensor_parallel(tmp_path):
+def test_quickstart_learns_with_both_engines_tensor_parallel(tmp_path, shared_ray_head):
     run_dir = tmp_path / "run"
     # one sampler owns 2 chips and draws all 32 x 16 rows per step (one 512-row bucket): half the quickstart's
     # prompts at 3x its lr (as tests/test_e2e_algorithms.py); the claim is a last-5 mean reward >= 0.5 from a
     # first-5 <= 0.2, and the run stops once it is shown (the quickstart's own 0.8 claim is test_e2e.py's)
     res = train(run_dir, "placement.chips_per_sampler=2", "placement.chips_per_trainer=2",
                 "trainer.prompts_per_step=32", "trainer.lr=3e-3", "sampler.batch_buckets=[512]", "sync.verify_every=5",
-                "trainer.target_reward=0.5", timeout=900)
+                "trainer.target_reward=0.5", address=shared_ray_head, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     m = read_metrics(run_dir / "metrics.jsonl")
     n = len(m)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import SMALL_BATCH
 
 from rltpu.observe.metrics import read_metrics
 
@@ -24,7 +25,7 @@ def test_two_slice_emulated_cluster_crosses_dcn_once_per_destination_slice(tmp_p
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "quickstart.yaml"), f"run_dir={run_dir}",
            "progress=false", "cluster.slices=2", "placement.sampler_chip_ids=[0,4]", "placement.trainer_chip_ids=[1,2]",
-           "trainer.steps=3", "sync.verify_every=1", "sync.bucket_mb=0.05"]
+           "trainer.steps=3", "sync.verify_every=1", "sync.bucket_mb=0.05", *SMALL_BATCH]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     placement = json.loads((run_dir / "placement.json").read_text())
