@@ -124,7 +124,7 @@ def ray_head(tag: str, env: dict, tpu_chips: int = 4):
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # --block: the head takes its raylet and workers down with it
         try:  # idle, it is down in ~4 s; after runs a graceful stop of their workers took ~35 s: not waited for
-            head.wait(timeout=10)
+            head.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)

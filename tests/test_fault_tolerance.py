@@ -172,7 +172,6 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
     assert {"sampling", "training", "syncing"} <= {e["name"] for e in trace if e["ph"] == "X"}
 
 
-@pytest.mark.serial
 def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     """A SIGSTOPped sampler is detected within its phase deadline + 5 s, fenced and replaced."""
     run_dir, deadline = tmp_path / "run", 20

@@ -403,7 +403,7 @@ def test_core_path_does_not_import_transformers():
 # acceptance 3 (+4 on a real run): rltpu train on a tiny Qwen2 checkpoint and a chat JSONL file
 
 @pytest.mark.slow
-def test_train_on_tiny_qwen2_checkpoint_with_chat_jsonl_then_export(tmp_path):
+def test_train_on_tiny_qwen2_checkpoint_with_chat_jsonl_then_export(tmp_path, shared_ray_head):
     """``rltpu train configs/hf_chat.yaml`` with model.path = a tiny Qwen2 written by transformers:
     trainers stream their FSDP shards (and the KL reference) from the directory, samplers get
     version 0 by weight sync, the tokenizer and chat template come from the same directory and the
@@ -422,7 +422,8 @@ def test_train_on_tiny_qwen2_checkpoint_with_chat_jsonl_then_export(tmp_path):
            "progress=false", f"model.path={model_dir}", f"task.dataset={made['dataset']}",
            "task.reward_fn=tests.hf_reward:logged_answer_reward", "trainer.steps=3", "trainer.kl_coef=0.05",
            "sync.verify_every=1", "trainer.prompts_per_step=16", "sampler.group_size=8", "sampler.max_new_tokens=8",
-           "sampler.batch_buckets=[64]", "sampler.prompt_buckets=[48]"]  # the BPE tokenizer's prompts are longer
+           "sampler.batch_buckets=[64]", "sampler.prompt_buckets=[48]",  # the BPE tokenizer's prompts are longer
+           "--address", shared_ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     m = read_metrics(run_dir / "metrics.jsonl")
