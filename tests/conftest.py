@@ -9,6 +9,7 @@ env here) because the test processes join it without the token a fresh cluster w
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -30,6 +31,20 @@ if "RLTPU_COMPILE_CACHE_DIR" not in os.environ:
 
 RAY_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` really groups: an ``xdist_group`` test whose node id lacks its group suffix would
+    run on any worker, and the session runs its group shares would be made once per worker (pytest 9.2 with
+    pytest-xdist 3.8 did that silently: 2 x 175 s of runs). Only xdist workers set ``option.loadgroup``."""
+    if getattr(config.option, "loadgroup", False):
+        lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:  # printed too: xdist shows a worker's collection error as an INTERNALERROR without its text
+            msg = (f"--dist loadgroup did not group {lost[0]} (pytest {pytest.__version__} with this pytest-xdist); "
+                   "install the pytest that pyproject.toml pins")
+            print(f"conftest: {msg}", file=sys.stderr, flush=True)
+            raise pytest.UsageError(msg)
 
 
 @pytest.fixture(scope="session")

@@ -90,13 +90,17 @@ def test_embedded_cluster_cannot_be_joined_without_its_token(tmp_path):
         """)
 
         def join(extra: dict) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", client, address], cwd=ROOT, env=env | extra,
+            # a refused token is final: 3 connection attempts instead of Ray's default 20 (~1 s each)
+            return subprocess.run([sys.executable, "-c", client, address], cwd=ROOT,
+                                  env=env | {"RAY_gcs_server_port_wait_time_s": "3"} | extra,
                                   capture_output=True, text=True, timeout=180)
 
         no_token = join({})
         assert no_token.returncode != 0 and "joined" not in no_token.stdout
+        assert "InvalidAuthToken" in no_token.stderr, no_token.stderr[-2000:]  # refused, not unreachable
         wrong = join({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
         assert wrong.returncode != 0 and "joined" not in wrong.stdout
+        assert "InvalidAuthToken" in wrong.stderr, wrong.stderr[-2000:]
         ok = join({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "run" / cluster.TOKEN_FILE)})
         assert ok.returncode == 0 and "joined 42" in ok.stdout, ok.stderr[-2000:]
     finally:
