@@ -1,6 +1,7 @@
 """Fault tolerance end to end through the CLI: kills, a hang, SIGTERM + resume, loopback ports.
 
-Each run is the quickstart cut to a few steps on 4 emulated chips (minutes on 2 cores: slow).
+Each run is the quickstart on 4 emulated chips (2 samplers + 2 trainers: the kills and the hang need a survivor
+in each group); the kill and hang runs on a small batch (procs.SMALL_BATCH), their claims are mechanisms.
 """
 
 import json
@@ -19,6 +20,8 @@ from rltpu.observe.dashboard import serve
 from rltpu.observe.health import read_health
 from rltpu.observe.ledger import check, effective, read_ledger
 from rltpu.observe.metrics import read_metrics
+
+from procs import MECHANICS_PROMPTS, SMALL_BATCH
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -117,7 +120,7 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
     # step lies past the newest checkpoint and must be rolled back
     kill_sampler_at, kill_trainer_at = rng.randint(2, 7), rng.choice((11, 13))
     proc = start(run_dir, f"trainer.steps={steps}", "checkpoint.every_steps=2", "dashboard.enabled=true",
-                 "dashboard.port=0")
+                 "dashboard.port=0", *SMALL_BATCH)
     try:
         wait_for(lambda: steps_done(run_dir) >= 1, proc, 400, "step 1")
         ports = listening(descendants(proc.pid))
@@ -136,7 +139,7 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = read_ledger(run_dir / "ledger.jsonl")
-    assert check(lines, steps, 64) == [], check(lines, steps, 64)
+    assert check(lines, steps, MECHANICS_PROMPTS) == [], check(lines, steps, MECHANICS_PROMPTS)
     # the group restarted from the newest checkpoint (an even step before the kill) and the ledger voided
     # the steps after it; they were trained again, so metrics.jsonl logs them twice, in order
     (rollback,) = [ln for ln in lines if "rollback_to" in ln]
@@ -147,7 +150,7 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
     redo = next(i for i in range(1, len(logged)) if logged[i] <= logged[i - 1])
     assert logged == list(range(1, redo + 1)) + list(range(back + 1, steps + 1)), logged
     assert redo >= done_at_kill, (redo, done_at_kill)
-    assert m[-1]["step"] == steps and m[-1]["data_position"] == steps * 64
+    assert m[-1]["step"] == steps and m[-1]["data_position"] == steps * MECHANICS_PROMPTS
     health = read_health(run_dir)
     assert health["state"] == "finished"
     assert health["restarts"].get(victim["key"]) == 1 and health["restarts"].get(trainer["key"]) == 1, health["restarts"]
@@ -174,9 +177,10 @@ def test_chaos_sigkill_sampler_and_trainer(tmp_path):
 
 def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     """A SIGSTOPped sampler is detected within its phase deadline + 5 s, fenced and replaced."""
-    run_dir, deadline = tmp_path / "run", 20
+    # 10 s: on the small batch a step's sampling and sync take well under a second, also on a busy CI machine
+    run_dir, deadline = tmp_path / "run", 10
     proc = start(run_dir, "trainer.steps=8", f"health.deadlines.sampling={deadline}",
-                 f"health.deadlines.syncing={deadline}", f"health.heartbeat_timeout_s={deadline}")
+                 f"health.deadlines.syncing={deadline}", f"health.heartbeat_timeout_s={deadline}", *SMALL_BATCH)
     try:
         wait_for(lambda: steps_done(run_dir) >= 3, proc, 400, "step 3")
         victim = actor(run_dir, "sampler-1")
@@ -198,7 +202,7 @@ def test_sigstop_hang_is_fenced_within_deadline(tmp_path):
     assert latency <= deadline + 5, latency
     assert not Path(f"/proc/{victim['pid']}").exists() or "Z" in Path(f"/proc/{victim['pid']}/stat").read_text()
     assert health["restarts"]["sampler-1"] == 1 and health["state"] == "finished"
-    assert check(read_ledger(run_dir / "ledger.jsonl"), 8, 64) == []
+    assert check(read_ledger(run_dir / "ledger.jsonl"), 8, MECHANICS_PROMPTS) == []
 
 
 @pytest.mark.xdist_group("quickstart")  # one worker runs the session runs these tests share (--dist loadgroup)
