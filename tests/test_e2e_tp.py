@@ -59,7 +59,7 @@ def test_quickstart_learns_with_both_engines_tensor_parallel(tmp_path, shared_ra
     assert all(r["sync_device_put_bytes"] == sum(held) for r in m), m[-1]["sync_device_put_bytes"]
 
 
-def test_written_config_of_a_tensor_parallel_winner_trains(tmp_path, monkeypatch):
+def test_written_config_of_a_tensor_parallel_winner_trains(tmp_path, monkeypatch, shared_ray_head):
     """Planned for a 1.1B-parameter shape (``planner.hf_config``; fp32, 16 layers of 1792 x 7168) on the
     quickstart's 4 emulated chips with 24 GiB of host memory: one trainer process per chip cannot hold
     its FSDP half with AdamW, so the winner is a tensor-parallel trainer group. The written config (the
@@ -97,7 +97,7 @@ def test_written_config_of_a_tensor_parallel_winner_trains(tmp_path, monkeypatch
     run_dir = tmp_path / "run"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     res = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", str(placed), f"run_dir={run_dir}",
-                          "progress=false", "trainer.steps=3", "trainer.target_reward=null"],
+                          "progress=false", "trainer.steps=3", "trainer.target_reward=null", "--address", shared_ray_head],
                          cwd=QUICKSTART.parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
