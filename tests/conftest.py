@@ -37,7 +37,8 @@ RAY_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_C
 def pytest_collection_modifyitems(config, items):
     """``--dist loadgroup`` really groups: an ``xdist_group`` test whose node id lacks its group suffix would
     run on any worker, and the session runs its group shares would be made once per worker (pytest 9.2 with
-    pytest-xdist 3.8 did that silently: 2 x 175 s of runs). Only xdist workers set ``option.loadgroup``."""
+    pytest-xdist 3.8 did that silently: the quickstart and SIGTERM runs twice, ≈ 115 s of worker time). Only
+    xdist workers set ``option.loadgroup``."""
     if getattr(config.option, "loadgroup", False):
         lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
         if lost:  # printed too: xdist shows a worker's collection error as an INTERNALERROR without its text
