@@ -28,8 +28,9 @@ STEPS = 30
 TARGET = 0.3
 # half the quickstart's prompts a step at 3x its lr (a preset's own lr, RLOO's, still wins): the quickstart
 # reaches the 0.3 target in 20 steps of 512 rows instead of 30 of 1,024 (5.7 s of steps instead of 20.3,
-# measured by hand on GRPO, seed 0, 2 samplers + 2 trainers); the learning claim is the same. One sampler and one trainer chip: an
-# algorithm's loss does not depend on the FSDP degree (two trainer ranks: tests/test_e2e.py, test_e2e_modes.py)
+# measured by hand on GRPO, seed 0, 2 samplers + 2 trainers); the learning claim is the same. One sampler
+# and one trainer chip: an algorithm's loss does not depend on the FSDP degree (two trainer ranks:
+# tests/test_e2e.py, test_e2e_modes.py)
 PROMPTS = 32
 FAST = [f"trainer.prompts_per_step={PROMPTS}", "trainer.lr=3e-3", "placement.sampler_chips=1",
         "placement.trainer_chips=1"]

@@ -29,7 +29,8 @@ ASYNC = ["placement.staleness=1", "trainer.off_policy_correction=tis"]
 # colocated on 2 of the 4 chips: 2 processes, each an FSDP trainer rank and a sampler (the 4-chip layout is
 # the same code with 4 ranks; benchmarks/modes.py --chips 4 runs it)
 COLO_CHIPS = 2
-COLOCATED = ["placement.mode=colocated", f"placement.sampler_chips={COLO_CHIPS}", f"placement.trainer_chips={COLO_CHIPS}"]
+COLOCATED = ["placement.mode=colocated", f"placement.sampler_chips={COLO_CHIPS}",
+             f"placement.trainer_chips={COLO_CHIPS}"]
 
 # the learning claims stop a run once shown: last-5 mean reward >= 0.5 from a first-5 <= 0.2 (the quickstart's
 # own 0.8 claim is test_e2e.py's), on half its prompts a step at 3x its lr (as tests/test_e2e_algorithms.py)
@@ -96,7 +97,8 @@ def test_colocated_learns_one_process_per_chip_and_survives_a_kill(ray_head, tmp
     assert proc.returncode == 0, err[-3000:]
     health = read_health(run_dir)
     assert health["state"] == "finished" and health["restarts"] == {"trainer-1": 1}, health["restarts"]
-    assert health["mode"] == "colocated" and [a["key"] for a in health["actors"]] == [f"trainer-{r}" for r in range(COLO_CHIPS)]
+    assert health["mode"] == "colocated"
+    assert [a["key"] for a in health["actors"]] == [f"trainer-{r}" for r in range(COLO_CHIPS)]
     by_step = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}  # a redone step keeps its last line
     steps = max(by_step)
     assert 12 < steps <= 100

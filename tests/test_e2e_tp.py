@@ -97,7 +97,8 @@ def test_written_config_of_a_tensor_parallel_winner_trains(tmp_path, monkeypatch
     run_dir = tmp_path / "run"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     res = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", str(placed), f"run_dir={run_dir}",
-                          "progress=false", "trainer.steps=3", "trainer.target_reward=null", "--address", shared_ray_head],
+                          "progress=false", "trainer.steps=3", "trainer.target_reward=null",
+                          "--address", shared_ray_head],
                          cwd=QUICKSTART.parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
