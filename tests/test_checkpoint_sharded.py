@@ -8,6 +8,7 @@ second step (loss sums, grad norm, weights) to 1e-5, in both directions: 1 rank 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -199,7 +200,8 @@ def test_checkpoint_of_the_full_file_layout_still_loads(tmp_path):
               old / "optimizer.safetensors")
     (old / "trainer_state.json").write_text(json.dumps(
         dict(META, trainer_step=1, scheduler=ref.scheduler.state_dict(), optimizer_param_groups=osd["param_groups"],
-             extra_param_groups={}, sha256={})))
+             extra_param_groups={}, sha256={f.name: hashlib.sha256(f.read_bytes()).hexdigest()  # as the old writer
+                                             for f in sorted(old.glob("*.safetensors"))})))
     loaded = _engine()
     loaded.load_checkpoint(old)
     want, got = ref.train_step(_global(synthetic_batch(2))), loaded.train_step(_global(synthetic_batch(2)))

@@ -29,12 +29,13 @@ class Checkpoints:
         return self.ray.get([t.save_checkpoint.remote(str(self.dir), meta) for t in self.groups.trainers])[0]
 
     def load_latest(self, required: bool = True) -> tuple[Path, dict] | None:
-        """The newest checkpoint whose files verify (a corrupt one is skipped with a warning), loaded
-        into every trainer; its path and metadata, or None when there is none and none is required."""
+        """The newest checkpoint whose files verify (a corrupt one is skipped with a warning and moved
+        aside, so the next save's rotation keeps the valid one), loaded into every trainer; its path
+        and metadata, or None when there is none and none is required."""
         from learner.checkpoint import latest_valid
 
         warn = lambda m: print(f"rltpu: warning: {m}", file=sys.stderr, flush=True)  # noqa: E731
-        path = latest_valid(self.dir, max(self.cfg.checkpoint.keep_last, 2), warn)
+        path = latest_valid(self.dir, max(self.cfg.checkpoint.keep_last, 2), warn, set_aside=True)
         if path is None:
             if required:
                 raise ConfigError(f"--resume: no valid checkpoint in {self.dir}[.prev*]; run without --resume")

@@ -95,11 +95,15 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
     state_path = ckpt / "trainer_state.json"
     if not state_path.is_file():
         raise CheckpointError(f"{ckpt} is not a run checkpoint (no trainer_state.json; give RUN_DIR/checkpoint)")
-    try:
-        meta = json.loads(state_path.read_text())
-        run_cfg = meta["config"]
-    except (json.JSONDecodeError, KeyError):
-        raise CheckpointError(f"{state_path}: corrupt (not JSON with a 'config')") from None
+    from learner.checkpoint import verify_checkpoint
+
+    try:  # every file against its sha256, as a resume does: a corrupt checkpoint is never exported
+        meta = verify_checkpoint(ckpt)
+    except ValueError as err:
+        raise CheckpointError(f"{err}; export another checkpoint (e.g. {ckpt.name}.prev)") from None
+    run_cfg = meta.get("config")
+    if not isinstance(run_cfg, dict) or not isinstance(run_cfg.get("model"), dict):
+        raise CheckpointError(f"{state_path}: corrupt (no 'config' with a 'model' section)")
     model_dict = dict(run_cfg["model"])
     source_path = model_dict.pop("path", None)
     # every architecture field is in the saved config already: validate without re-reading model.path

@@ -79,6 +79,21 @@ def write_index(path: Path, tensors: dict, files: dict[str, str], world: int) ->
     tmp.rename(path)
 
 
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _entry_ok(e) -> bool:
+    """One tensor of an index: a dtype torch has, a shape of non-negative ints, and chunks whose
+    offsets and sizes match its rank and name a file and a key."""
+    if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in _ST \
+            or not _ints(e.get("shape")) or not isinstance(e.get("chunks"), list):
+        return False
+    return all(isinstance(c, dict) and _ints(c.get("offsets")) and _ints(c.get("sizes"))
+               and len(c["offsets"]) == len(c["sizes"]) == len(e["shape"])
+               and isinstance(c.get("file"), str) and isinstance(c.get("key"), str) for c in e["chunks"])
+
+
 class ShardedPart:
     """One part of a sharded checkpoint: names, global shapes and dtypes, and reads of a region of a
     stored chunk or of a whole tensor (assembled from its chunks; ``rltpu export`` streams these)."""
@@ -90,11 +105,16 @@ class ShardedPart:
             index = json.loads(self.path.read_text())
         except OSError as err:
             raise CheckpointError(f"{self.path}: cannot read ({err.strerror or err})") from None
-        except ValueError:
-            raise CheckpointError(f"{self.path}: corrupt (not JSON)") from None
+        except (ValueError, RecursionError):
+            raise CheckpointError(f"{self.path}: corrupt (not JSON, or nested too deeply)") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not an rltpu sharded checkpoint index (format "
-                                  f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT})")
+                                  f"{str(index.get('format'))[:40] if isinstance(index, dict) else None!r}, "
+                                  f"expected {FORMAT})")
+        if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict) or not all(
+                _entry_ok(e) for e in index["tensors"].values()):
+            raise CheckpointError(f"{self.path}: corrupt index (needs files: {{name: sha256}} and tensors: "
+                                  f"{{name: {{dtype, shape, chunks: [{{offsets, sizes, file, key}}]}}}})")
         self.world = index.get("world")
         self.files: dict[str, str] = index["files"]
         self.entries: dict[str, dict] = index["tensors"]

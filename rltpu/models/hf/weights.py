@@ -37,6 +37,11 @@ class CheckpointError(ConfigError):
     """A checkpoint directory that cannot be loaded: one line naming the file and the tensor."""
 
 
+def _int_list(v) -> bool:
+    """A JSON list of plain integers (not bools, floats or strings)."""
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
 class SafetensorsFile:
     """The header of one ``.safetensors`` file, and reads of whole tensors or row ranges."""
 
@@ -59,18 +64,26 @@ class SafetensorsFile:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not JSON)") from None
+        except RecursionError:  # deeply nested JSON: no real header is
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (JSON nested too deeply)") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not an object)")
-        self.metadata = header.pop("__metadata__", None) or {}
+        meta = header.pop("__metadata__", None) or {}
+        self.metadata = meta if isinstance(meta, dict) else {}
         self.data_start = 8 + n
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # name -> (dtype, shape, begin, end)
         for name, e in header.items():
-            try:
-                st, shape, (b, end) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: tensor {name}: corrupt header entry") from None
+            st, shape, offsets = (e.get("dtype"), e.get("shape"), e.get("data_offsets")) if isinstance(e, dict) else \
+                (None, None, None)
+            if not isinstance(st, str) or not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
+                raise CheckpointError(f"{self.path}: tensor {str(name)[:100]}: corrupt header entry (needs dtype: "
+                                      f"str, shape: [int], data_offsets: [int, int])")
+            if any(d < 0 for d in shape):
+                raise CheckpointError(f"{self.path}: tensor {name}: corrupt header (negative dimension in "
+                                      f"shape {shape})")
+            shape, (b, end) = tuple(shape), offsets
             if st not in _ST_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name}: unsupported dtype {st}")
+                raise CheckpointError(f"{self.path}: tensor {name}: unsupported dtype {st[:20]!r}")
             nbytes = math.prod(shape) * _ST_DTYPES[st][1]
             if not (0 <= b <= end) or end - b != nbytes:
                 raise CheckpointError(f"{self.path}: tensor {name}: corrupt header (byte range {b}..{end} does not "
