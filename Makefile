@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine:
-#   make demo   install everything into .venv and run the quickstart (GRPO on 4 emulated chips)
+#   make demo   install everything into .venv and run the quickstart (GRPO on 4 emulated chips; an earlier
+#               demo run in runs/quickstart moves to runs/quickstart/previous-<time>/)
 #   make test   install everything into .venv and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/rltpu train configs/quickstart.yaml
+	$(VENV)/bin/rltpu train configs/quickstart.yaml --new-run
 
 # Two parts: everything but the `serial` tests on 2 xdist workers (the suite keeps 2 cores about 96% busy
 # either way; overlapping one test's waits with another's work took its serial 34 min to 28.5), then the

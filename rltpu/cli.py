@@ -1,6 +1,6 @@
 """``rltpu`` command line.
 
-    rltpu train configs/quickstart.yaml [trainer.lr=3e-3 ...] [--address HOST:PORT] [--resume]
+    rltpu train configs/quickstart.yaml [trainer.lr=3e-3 ...] [--address HOST:PORT] [--resume | --new-run]
     rltpu export RUN_DIR/checkpoint OUT_DIR          # a Hugging Face directory of the policy (LoRA: merged; --adapters: PEFT)
     rltpu tiny-checkpoint OUT_DIR --arch qwen2       # a tiny random HF checkpoint for dry runs
     rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
@@ -140,11 +140,18 @@ def _train(args, interrupts) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        from rltpu.control import rundir
+
+        rundir.check_fresh(cfg.resolved_run_dir, args.resume, args.new_run)  # one run per directory
         resume = resume_from(cfg.resolved_run_dir) if args.resume else False
         preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=resume)
+        # everything is checked: take the directory (a lock held until this process ends)
+        moved = rundir.claim(cfg.resolved_run_dir, args.resume, args.new_run)
+        if moved is not None:
+            print(f"rltpu: --new-run: the previous run's files are in {moved}", file=sys.stderr, flush=True)
         interrupts.check()  # a signal swallowed during the imports above
     except (ConfigError, ValueError, ChipUnavailableError, OSError) as err:
         return _fail(str(err) if not isinstance(err, OSError) else _one_line(err))
@@ -337,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting an embedded one")
     p.add_argument("--run-dir", default=None, help="override run_dir")
     p.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoint")
+    p.add_argument("--new-run", action="store_true",
+                   help="start over in a run_dir that holds a run (its files move to <run_dir>/previous-<time>/)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("export", help="write a run checkpoint as a Hugging Face directory")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint")
