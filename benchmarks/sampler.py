@@ -718,6 +718,309 @@ def longtail_main(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# --vs-vllm: the rollout engines against vLLM's CPU build and HF generate (issue 30)
+
+VS_MODELS = {  # Qwen2-shaped, random, written by transformers; 68-token vocabulary, 256 positions
+    "0.8M": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2),
+    "25M": dict(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4),
+}
+VS_VOCAB, VS_PAD, VS_EOS = 68, 0, 1  # prompts draw ids 2..67; EOS = 1
+VS_FIXED, VS_LONG = 64, 200  # new tokens: fixed length (no stop), long tail (EOS allowed, at most 200)
+VS_CELLS = (("fixed", 8), ("fixed", 64), ("fixed", 256), ("longtail", 64), ("longtail", 256))
+VS_SYSTEMS = ("hf", "vllm", "continuous", "static")
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of another process (the vLLM worker), so its CPU is not counted as foreign."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            v = f.read().rsplit(")", 1)[1].split()
+        return (int(v[11]) + int(v[12])) / CLK
+    except OSError:
+        return 0.0
+
+
+class VllmWorker:
+    """benchmarks/sampler_vllm.py under vLLM's own interpreter, spoken to in JSON lines."""
+
+    def __init__(self, python: str, threads: int, log_path: Path):
+        import subprocess
+
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.pop("JAX_PLATFORMS", None)
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen([python, str(REPO / "benchmarks" / "sampler_vllm.py")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def ask(self, req: dict) -> dict:
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM worker died; its log: {self.log.name}")
+        ans = json.loads(line)
+        if not ans.get("ok"):
+            raise RuntimeError(f"vLLM worker: {ans.get('error')}")
+        return ans
+
+    def close(self):
+        try:
+            self.ask({"op": "quit"})
+        except Exception:
+            pass
+        self.p.wait(timeout=60)
+        self.log.close()
+
+
+def _vs_prompts(rows: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, VS_VOCAB, int(rng.integers(8, 33))).tolist() for _ in range(rows)]
+
+
+class _Timed:
+    """Wall time of one call and the CPU other processes used meanwhile (the vLLM worker's CPU is
+    not foreign: it is the call's own when vLLM is timed, and idle otherwise)."""
+
+    def __init__(self, worker_pid: int | None):
+        self.pid = worker_pid
+
+    def __enter__(self):
+        self.w0 = _proc_cpu_s(self.pid) if self.pid else 0.0
+        self.m = Monitor().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.m.__exit__(*exc)
+        self.wall = self.m.wall
+        w = (_proc_cpu_s(self.pid) - self.w0) if self.pid else 0.0
+        self.foreign_cores = max(0.0, self.m.foreign_cores - w / max(self.wall, 1e-9))
+        return False
+
+
+def vs_model(name: str, ckpt: Path, args, worker: VllmWorker | None) -> dict:
+    """Every cell of VS_CELLS on one checkpoint; systems interleaved call by call."""
+    import transformers
+
+    from rltpu.config import ModelConfig
+    from rltpu.models.hf.load import load_jax_params
+    from rltpu.sampling.engine import SamplerEngine
+
+    cfg = ModelConfig(path=str(ckpt))
+    params = load_jax_params(cfg)
+    shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in params.items()}
+    n_params = int(sum(int(np.prod(s)) for s, _ in shapes.values()))
+    systems = [s for s in VS_SYSTEMS if s in args.systems and (s != "vllm" or worker is not None)]
+    cells = [c for c in VS_CELLS if f"{c[0]}{c[1]}" in args.cells]
+    batches = tuple(sorted({rows for _, rows in cells}))
+    engines = {}
+    compile_s = {}
+    for mode, stop in (("fixed", VS_VOCAB), ("longtail", VS_EOS)):  # fixed: an EOS outside the vocabulary
+        if not any(m == mode for m, _ in cells):
+            continue
+        n_new = VS_FIXED if mode == "fixed" else VS_LONG
+        scfg = SamplerConfig(group_size=2, temperature=1.0, max_new_tokens=n_new, batch_buckets=batches,
+                             prompt_buckets=(32,))  # every other knob at its default (engine: continuous)
+        eng = SamplerEngine(cfg, scfg, VS_VOCAB, VS_PAD, stop, shapes)
+        eng.set_params(params, 0)
+        t0 = time.perf_counter()
+        if "continuous" in systems:
+            eng.precompile(engine="continuous")
+        t1 = time.perf_counter()
+        if "static" in systems:
+            eng.precompile(cells=[(b, 32, n_new) for b in batches if (mode, b) in cells], engine="static")
+        compile_s[mode] = {"continuous": r(t1 - t0, 2), "static": r(time.perf_counter() - t1, 2),
+                           "programs": eng.stats.compiles}
+        engines[mode] = eng
+    log(f"{name}: {n_params:,} params; precompiled {compile_s}")
+    hf = None
+    if "hf" in systems:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    vinfo = None
+    if "vllm" in systems:
+        t0 = time.perf_counter()
+        vinfo = worker.ask({"op": "load", "path": str(ckpt), "max_model_len": 256,
+                            "max_num_seqs": max(batches)})
+        vinfo["load_wall_s"] = r(time.perf_counter() - t0, 1)
+        worker.ask({"op": "generate", "prompts": _vs_prompts(8, 99), "max_tokens": 16, "ignore_eos": True})
+        log(f"{name}: vLLM loaded in {vinfo['load_wall_s']} s")
+
+    def call(system: str, mode: str, prompts, seed: int) -> dict:
+        n_new = VS_FIXED if mode == "fixed" else VS_LONG
+        pid = worker.p.pid if worker is not None else None
+        with _Timed(pid) as t:
+            if system in ("continuous", "static"):
+                out = engines[mode].generate(prompts, 1, seed, engine=system)
+                lengths = np.asarray(out["lengths"])
+                extra = {"compiles": int(out["compiles"]), "decode_steps": int(out["decode_steps"])}
+            elif system == "hf":
+                P = max(len(p) for p in prompts)
+                ids = torch.full((len(prompts), P), VS_PAD, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, p in enumerate(prompts):
+                    ids[i, P - len(p):] = torch.tensor(p)
+                    mask[i, P - len(p):] = 1
+                torch.manual_seed(seed)
+                kw = dict(min_new_tokens=n_new) if mode == "fixed" else {}
+                with torch.inference_mode():
+                    gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                      top_p=1.0, top_k=0, max_new_tokens=n_new, pad_token_id=VS_PAD,
+                                      eos_token_id=VS_EOS, **kw)
+                new = gen[:, P:].numpy()
+                is_eos = new == VS_EOS
+                lengths = np.where(is_eos.any(1), is_eos.argmax(1) + 1, new.shape[1])
+                extra = {}
+            else:
+                ans = worker.ask({"op": "generate", "prompts": prompts, "max_tokens": n_new,
+                                  "ignore_eos": mode == "fixed", "stop_token_ids": [] if mode == "fixed" else [VS_EOS]})
+                lengths = np.asarray(ans["lengths"])
+                extra = {"engine_wall_s": r(ans["wall_s"], 4)}
+        if mode == "fixed":
+            assert (lengths == n_new).all(), f"{system}: fixed-length rows stopped early"
+        return {"wall_s": t.wall, "tokens": int(lengths.sum()), "mean_len": float(lengths.mean()),
+                "max_len": int(lengths.max()), "foreign_cores": t.foreign_cores, **extra}
+
+    out_cells = {}
+    seed = 1
+    for mode, rows in cells:
+        prompts = _vs_prompts(rows, 1000 + rows)
+        load0 = list(os.getloadavg())
+        calls = {s: [] for s in systems}
+        for rep in range(args.reps):
+            order = systems if rep % 2 == 0 else systems[::-1]  # alternate so no system always goes first
+            for s in order:
+                calls[s].append(call(s, mode, prompts, seed))
+                seed += 1
+        res = {}
+        for s, cs in calls.items():
+            w = median([c["wall_s"] for c in cs])
+            tps = median([c["tokens"] / c["wall_s"] for c in cs])
+            res[s] = {"tokens_per_s": r(tps, 1), "median_wall_s": r(w, 4),
+                      "calls": [{k: (r(v, 4) if isinstance(v, float) else v) for k, v in c.items()} for c in cs]}
+        base = res.get("vllm", {}).get("tokens_per_s")
+        for s in res:
+            if base:
+                res[s]["over_vllm"] = r(res[s]["tokens_per_s"] / base, 3)
+            if "static" in res:
+                res[s]["over_static"] = r(res[s]["tokens_per_s"] / res["static"]["tokens_per_s"], 3)
+        out_cells[f"{mode}_b{rows}"] = {"mode": mode, "rows": rows,
+                                         "new_tokens": VS_FIXED if mode == "fixed" else VS_LONG,
+                                         "loadavg_before": load0, "loadavg_after": list(os.getloadavg()),
+                                         "systems": res}
+        log(f"{name} {mode} b{rows}: " + " | ".join(f"{s} {res[s]['tokens_per_s']:.0f}" for s in systems)
+            + f" tok/s (load {os.getloadavg()[0]:.2f})")
+    for eng in engines.values():  # precompiled: nothing may compile during the calls
+        assert all(c["compiles"] == 0 for cell in out_cells.values()
+                   for s in ("continuous", "static") if s in cell["systems"] for c in cell["systems"][s]["calls"])
+    return {"params": n_params, "checkpoint": {k: v for k, v in VS_MODELS[name].items()} | {"vocab": VS_VOCAB,
+            "positions": 256, "arch": "qwen2", "dtype": "float32"},
+            "rltpu_precompile_s": compile_s, "vllm": vinfo, "cells": out_cells}
+
+
+def vs_table(models: dict) -> list[str]:
+    """The README table: useful tokens/s, one row per (model, workload)."""
+    lines = ["| model | workload | HF `generate` | vLLM (CPU build) | rltpu default (continuous) | "
+             "rltpu `engine=static` | default / vLLM | default / static |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in models.items():
+        for key, c in m["cells"].items():
+            s = c["systems"]
+            w = f"{c['new_tokens']} new tokens" if c["mode"] == "fixed" else f"long tail (≤ {c['new_tokens']})"
+
+            def v(k):
+                return f"{s[k]['tokens_per_s']:,.0f}" if k in s else "–"
+            ratio_v = f"{s['continuous']['over_vllm']:.2f}×" if "vllm" in s and "continuous" in s else "–"
+            ratio_s = f"{s['continuous']['over_static']:.2f}×" if "static" in s and "continuous" in s else "–"
+            lines.append(f"| {name} | {w}, b{c['rows']} | {v('hf')} | {v('vllm')} | {v('continuous')} | "
+                         f"{v('static')} | {ratio_v} | {ratio_s} |")
+    return lines
+
+
+def vs_main(args) -> int:
+    import subprocess
+    import tempfile
+
+    t_start = time.perf_counter()
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = backend.configure_threads(len(cpus), cpus)
+    precision = backend.configure_precision("highest")
+    import jax
+    import transformers
+
+    if jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", None)
+    from rltpu.models.hf.tiny import write_tiny_checkpoint
+
+    args.systems = set(args.systems.split(","))
+    args.cells = set(args.cells.split(","))
+    vpy = args.vllm_python or os.environ.get("RLTPU_VLLM_PYTHON")
+    if "vllm" in args.systems and not vpy:
+        log("no --vllm-python (or RLTPU_VLLM_PYTHON): vLLM is left out")
+    workdir = Path(tempfile.mkdtemp(prefix="rltpu-vs-vllm-"))
+    worker = None
+    if vpy and "vllm" in args.systems:
+        worker = VllmWorker(vpy, len(cpus), workdir / "vllm.log")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.split("\n")
+    except OSError:
+        commit, dirty = None, []
+    env = {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
+           "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), **threads, **precision, "commit": commit,
+           "dirty_files": [d[3:] for d in dirty if d.strip()], "loadavg_start": list(os.getloadavg()),
+           "quiet_wait_start": wait_for_quiet(30)}
+    models = {}
+    try:
+        for name in args.models.split(","):
+            ckpt = write_tiny_checkpoint(workdir / name, "qwen2", vocab_size=VS_VOCAB, with_tokenizer=False,
+                                         max_position_embeddings=256, init_std=0.02, seed=0, **VS_MODELS[name])
+            models[name] = vs_model(name, ckpt, args, worker)
+            if worker is not None and models[name]["vllm"]:
+                env["vllm"] = {k: models[name]["vllm"][k] for k in ("vllm", "torch", "torch_threads")}
+                # a fresh worker per model: one LLM per process
+                worker.close()
+                worker = VllmWorker(vpy, len(cpus), workdir / f"vllm-{name}.log")
+    finally:
+        if worker is not None:
+            worker.close()
+    env["loadavg_end"] = list(os.getloadavg())
+    accept = {}
+    for name, m in models.items():
+        for key, c in m["cells"].items():
+            s = c["systems"]
+            if "continuous" in s and "vllm" in s:
+                need = 1.0 if c["mode"] == "longtail" and c["rows"] >= 64 else 0.8
+                accept[f"{name} {key}"] = {"over_vllm": s["continuous"]["over_vllm"], "needs": need,
+                                           "over_static": s["continuous"].get("over_static"),
+                                           "met": s["continuous"]["over_vllm"] >= need
+                                           and s["continuous"].get("over_static", 1.0) >= 1.0}
+    doc = {
+        "benchmark": "rollout engines on one CPU machine: HF generate, vLLM CPU build, rltpu continuous (default) "
+                     "and static; useful tokens/s",
+        "command": " ".join([".venv/bin/python", "benchmarks/sampler.py", *(args.argv or sys.argv[1:])]),
+        "how": "two random Qwen2 checkpoints written by transformers (68-token vocab, 256 positions, fp32); "
+               "distinct prompts of 8-32 tokens, one sample each, temperature 1; fixed: exactly 64 new tokens "
+               "(HF min_new_tokens, vLLM ignore_eos, rltpu an EOS outside the vocabulary); long tail: EOS id 1 "
+               "allowed, at most 200 new tokens (a near-uniform model: lengths about geometric, mean ~60); "
+               "useful tokens (up to and including EOS) / wall s of one generate call; median of --reps calls "
+               "per system, systems interleaved call by call (order alternating); rltpu engines precompiled, "
+               "vLLM warmed by one call; vLLM in its own venv and process (prefix caching off)",
+        "env": env, "reps": args.reps, "acceptance": accept,
+        "all_met": bool(accept) and all(a["met"] for a in accept.values()),
+        "models": models, "table": vs_table(models),
+        "elapsed_s": r(time.perf_counter() - t_start, 1),
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    print("\n".join(doc["table"]), file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no batch 64 on the 20M model, 20 requests")
@@ -729,8 +1032,19 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="4,8,16,32", help="--longtail: decode_chunk sweep on the quickstart model")
     ap.add_argument("--static-prompts-20m", type=int, default=64,
                     help="--longtail: prompts the static engine runs on the 20M model (0 = all; it is the slow side)")
+    ap.add_argument("--vs-vllm", action="store_true",
+                    help="HF generate, vLLM (CPU build), rltpu continuous and static on two Qwen2 checkpoints")
+    ap.add_argument("--vllm-python", help="--vs-vllm: the python of a venv with vllm-cpu (or RLTPU_VLLM_PYTHON)")
+    ap.add_argument("--systems", default=",".join(VS_SYSTEMS), help="--vs-vllm: comma-separated subset")
+    ap.add_argument("--cells", default=",".join(f"{m}{b}" for m, b in VS_CELLS),
+                    help="--vs-vllm: comma-separated subset of fixed8,fixed64,fixed256,longtail64,longtail256")
+    ap.add_argument("--reps", type=int, default=3, help="--vs-vllm: timed calls per system and cell (median)")
     args = ap.parse_args(argv)
     args.argv = argv
+    if args.vs_vllm:
+        if args.models == "quickstart,llama20m":
+            args.models = ",".join(VS_MODELS)
+        return vs_main(args)
     if args.longtail:
         return longtail_main(args)
     args.rltpu_reps, args.hf_reps = (3, 2) if args.quick else (5, 3)

@@ -48,6 +48,16 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+class _Row:
+    """A sample in a decode slot: its row, generated pages, tokens so far, admission order, the
+    slot it sat in after the last chunk (-1: admitted, not yet run) and whether it was preempted."""
+
+    __slots__ = ("row", "order", "pages", "glen", "slot", "gone")
+
+    def __init__(self, row: int, order: int):
+        self.row, self.order, self.pages, self.glen, self.slot, self.gone = row, order, [], 0, -1, False
+
+
 class ContinuousSampler:
     """Continuous batching for one ``SamplerEngine`` (``engine``): shares its weights, version,
     sampling config, compile counters and (with k devices) mesh."""
@@ -74,6 +84,10 @@ class ContinuousSampler:
             raise ValueError(f"sampler.kv_pages={cfg.kv_pages} cannot hold one row ({self.MP} prompt + {self.MG} "
                              f"generated pages of {self.ps} tokens); raise sampler.kv_pages or set it to 0 (auto)")
         self.views = tuple(sorted({max(1, self.MG >> i) for i in range(4)}))  # generated pages a chunk reads
+        # slots a chunk computes: the smallest of these that holds the busy rows (the batch buckets
+        # below S, and S), so a small request or the tail of a large one pays for its own rows only
+        self.slot_buckets = tuple(sorted({b for b in cfg.batch_buckets if b < self.S} | {self.S}))
+        self.NW = math.ceil((self.ps - 1 + self.C) / self.ps)  # pages one chunk's new tokens can span
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
         self.stop = tuple(e.stop_ids)
@@ -171,64 +185,81 @@ class ContinuousSampler:
 
         return prefill
 
-    def _decode_forward(self, params, ks, vs, tok, glen, plen, write, table):
-        """One token per slot against the pages. tok, glen (index of tok among the generated
-        tokens), plen (S,); write (S,) bool: store this token's K/V (else into the null page);
-        table (S, MP + W) pages. Returns (logits (S, V), ks, vs)."""
-        mcfg, ps, MP = self.mcfg, self.ps, self.MP
-        S, W = table.shape
-        qpos = plen + glen  # (S,)
-        x = params["model.embed_tokens.weight"][tok[:, None]]  # (S, 1, H)
+    def _decode_forward(self, params, hk, hv, rk, rv, i, tok, glen, plen, hist_ok, hist_pos, g0):
+        """One token per slot. Keys: the chunk's history (``hk``/``hv`` (s, kv, Wtok, hd), gathered
+        from the pages once per chunk; ``hist_ok``/``hist_pos`` (s, Wtok)) and the tokens this chunk
+        fed so far (``rk``/``rv`` (s, kv, C, hd), written here at step ``i``, all slots alike).
+        tok, glen (index of tok among the generated tokens), plen, g0 (glen at the chunk's start)
+        (s,). Returns (logits (s, V), rk, rv)."""
+        mcfg, C = self.mcfg, self.C
+        s = tok.shape[0]
+        qpos = plen + glen  # (s,)
+        x = params["model.embed_tokens.weight"][tok[:, None]]  # (s, 1, H)
         cos, sin = jax_llama.rope_cos_sin(qpos[:, None], mcfg.head_dim, mcfg.rope_theta, x.dtype, mcfg.rope_scaling)
-        col = jnp.minimum(MP + glen // ps, W - 1)
-        page = jnp.where(write, jnp.take_along_axis(table, col[:, None], axis=1)[:, 0], 0)
-        off = glen % ps
-        j = jnp.arange(W * ps)
-        in_prompt = (j < MP * ps)[None]
-        g = (j - MP * ps)[None]
-        allowed = jnp.where(in_prompt, j[None] < plen[:, None], g <= glen[:, None])  # (S, W * ps)
-        kpos = jnp.where(in_prompt, j[None], plen[:, None] + g)
+        j = jnp.arange(C, dtype=jnp.int32)
+        allowed = jnp.concatenate([hist_ok, jnp.broadcast_to(j <= i, (s, C))], axis=1)  # (s, Wtok + C)
+        kpos = jnp.concatenate([hist_pos, (plen + g0)[:, None] + j[None]], axis=1)
         masks = self._layer_masks(allowed[:, None], qpos[:, None], kpos)
-        ks, vs = list(ks), list(vs)
+        rk, rv = list(rk), list(rv)
         nh, nkv, hd = mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim
-        for i in range(mcfg.num_hidden_layers):
-            h = jax_llama.rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], mcfg.rms_norm_eps)
-            q, k, v = jax_llama._qkv(params, mcfg, i, h, cos, sin)  # q (S, 1, nh, hd); k, v (S, 1, kv, hd)
-            ks[i] = ks[i].at[page, :, off].set(k[:, 0].astype(ks[i].dtype))
-            vs[i] = vs[i].at[page, :, off].set(v[:, 0].astype(vs[i].dtype))
-            kk = ks[i][table].astype(x.dtype)  # (S, W, kv, ps, hd): the slot's pages, gathered
-            vv = vs[i][table].astype(x.dtype)
-            qg = q.reshape(S, nkv, nh // nkv, hd).astype(_F32)
-            scores = jnp.einsum("bgrd,bwgpd->bgrwp", qg, kk.astype(_F32)).reshape(S, nkv, nh // nkv, W * ps)
-            scores = scores * hd**-0.5
-            scores = jnp.where(masks[mcfg.layer_window(i)][:, :, None, :].reshape(S, 1, 1, W * ps), scores,
-                               jnp.finfo(_F32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(vv.dtype).reshape(S, nkv, nh // nkv, W, ps)
-            att = jnp.einsum("bgrwp,bwgpd->bgrd", probs, vv).reshape(S, 1, nh * hd)
-            x = x + jax_llama._out_proj(params, mcfg, i, att)
-            x = jax_llama._mlp_block(params, mcfg, i, x)
-        return jax_llama._logits(params, mcfg, x)[:, 0], tuple(ks), tuple(vs)
+        zero = jnp.zeros((), jnp.int32)
+        for li in range(mcfg.num_hidden_layers):
+            h = jax_llama.rms_norm(x, params[f"model.layers.{li}.input_layernorm.weight"], mcfg.rms_norm_eps)
+            q, k, v = jax_llama._qkv(params, mcfg, li, h, cos, sin)  # q (s, 1, nh, hd); k, v (s, 1, kv, hd)
+            start = (zero, zero, i, zero)
+            rk[li] = lax.dynamic_update_slice(rk[li], jnp.swapaxes(k, 1, 2).astype(rk[li].dtype), start)
+            rv[li] = lax.dynamic_update_slice(rv[li], jnp.swapaxes(v, 1, 2).astype(rv[li].dtype), start)
+            keys = jnp.concatenate([hk[li], rk[li]], axis=2).astype(x.dtype)  # (s, kv, Wtok + C, hd)
+            vals = jnp.concatenate([hv[li], rv[li]], axis=2).astype(x.dtype)
+            att = jax_llama._attend_one(q, keys, vals, masks[mcfg.layer_window(li)][:, 0])
+            x = x + jax_llama._out_proj(params, mcfg, li, att)
+            x = jax_llama._mlp_block(params, mcfg, li, x)
+        return jax_llama._logits(params, mcfg, x)[:, 0], tuple(rk), tuple(rv)
+
+    _PER_SLOT = ("logits", "glen", "plen", "limit", "row", "active", "tokens", "logprobs")
 
     def _chunk_fn(self):
-        S, T, C, pad = self.S, self.T, self.C, self.e.pad_id
+        T, C, pad, ps, MP = self.T, self.C, self.e.pad_id, self.ps, self.MP
         stop = jnp.asarray(self.stop, jnp.int32)
         choose = self.choose
+        mcfg = self.mcfg
 
-        def chunk(params, state, table, admit, key):
-            # admit: "reset" (S,) slots to reinitialise (admitted or preempted), "on" (S,) admitted,
-            # "handle" / "plen" / "limit" / "row" (S,) for the admitted ones; key: the call's PRNG key
+        def chunk(params, state, src, hist, wpages, admit, key):
+            # src (s,): slot j of this chunk carries on the row of slot src[j] (compaction);
+            # hist (s, MP + w) pages to read (prompt, then generated before the chunk); wpages
+            # (s, NW) the pages this chunk's tokens go to (from page g0 // ps on); admit: "reset"
+            # (s,) slots to reinitialise (admitted, or not carrying a row), "on" (s,) admitted,
+            # "handle" / "plen" / "limit" / "row" (s,) for the admitted ones; key: the call's PRNG key
+            s = src.shape[0]
             on, reset = admit["on"], admit["reset"]
-            st = dict(state)
-            st["logits"] = jnp.where(on[:, None], state["plog"][jnp.minimum(admit["handle"], self.H - 1)],
-                                     state["logits"])
+            cur = {k: state[k][src] for k in self._PER_SLOT}
+            cur["logits"] = jnp.where(on[:, None], state["plog"][jnp.minimum(admit["handle"], self.H - 1)],
+                                      cur["logits"])
             for k in ("plen", "limit", "row"):
-                st[k] = jnp.where(on, admit[k], state[k])
-            st["glen"] = jnp.where(reset, 0, state["glen"])
-            st["active"] = jnp.where(reset, on, state["active"])
-            st["tokens"] = jnp.where(reset[:, None], pad, state["tokens"])
-            st["logprobs"] = jnp.where(reset[:, None], 0.0, state["logprobs"])
-            row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, st["row"])  # (S, 2)
-            rows = jnp.arange(S)
+                cur[k] = jnp.where(on, admit[k], cur[k])
+            cur["glen"] = jnp.where(reset, 0, cur["glen"])
+            cur["active"] = jnp.where(reset, on, cur["active"])
+            cur["tokens"] = jnp.where(reset[:, None], pad, cur["tokens"])
+            cur["logprobs"] = jnp.where(reset[:, None], 0.0, cur["logprobs"])
+            row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, cur["row"])  # (s, 2)
+            rows = jnp.arange(s)
+            g0, plen = cur["glen"], cur["plen"]
+            # the history every step of this chunk reads: gathered once
+            W = hist.shape[1]
+            jj = jnp.arange(W * ps)
+            in_prompt = (jj < MP * ps)[None]
+            gg = (jj - MP * ps)[None]
+            hist_ok = jnp.where(in_prompt, jj[None] < plen[:, None], gg < g0[:, None])  # (s, W * ps)
+            hist_pos = jnp.where(in_prompt, jj[None], plen[:, None] + gg)
+
+            def gather(pool):  # (pages, kv, ps, hd) -> (s, kv, W * ps, hd)
+                g = pool[hist]  # (s, W, kv, ps, hd)
+                return g.transpose(0, 2, 1, 3, 4).reshape(s, g.shape[2], W * ps, g.shape[4])
+
+            hk = tuple(gather(p) for p in state["k"])
+            hv = tuple(gather(p) for p in state["v"])
+            rshape = (s, mcfg.num_key_value_heads, C, mcfg.head_dim)
+            zeros = tuple(jnp.zeros(rshape, state["k"][0].dtype) for _ in range(mcfg.num_hidden_layers))
 
             def cond(c):
                 return (c["i"] < C) & jnp.any(c["active"])
@@ -242,14 +273,28 @@ class ContinuousSampler:
                 logprobs = c["logprobs"].at[rows, at].set(lp, mode="drop")
                 glen = c["glen"] + act
                 go = act & ~jnp.isin(tok, stop) & (glen < c["limit"])  # still running: feed tok back
-                logits, ks, vs = self._decode_forward(params, c["k"], c["v"], tok, c["glen"], c["plen"], go, table)
-                return c | dict(i=c["i"] + 1, logits=logits, k=ks, v=vs, tokens=tokens, logprobs=logprobs,
-                                glen=glen, active=go, steps=c["steps"] + 1,
+                logits, rk, rv = self._decode_forward(params, hk, hv, c["rk"], c["rv"], c["i"], tok, c["glen"],
+                                                      plen, hist_ok, hist_pos, g0)
+                return c | dict(i=c["i"] + 1, logits=logits, rk=rk, rv=rv, tokens=tokens, logprobs=logprobs,
+                                glen=glen, active=go, fed=c["fed"] + go, steps=c["steps"] + 1,
                                 busy=c["busy"] + jnp.sum(act, dtype=jnp.int32))
 
-            out = lax.while_loop(cond, body, st | {"i": jnp.int32(0)})
-            out.pop("i")
-            return out
+            init = {k: cur[k] for k in ("logits", "glen", "active", "tokens", "logprobs")} | dict(
+                i=jnp.int32(0), rk=zeros, rv=zeros, fed=jnp.zeros((s,), jnp.int32), steps=state["steps"],
+                busy=state["busy"], limit=cur["limit"])
+            out = lax.while_loop(cond, body, init)
+            # the fed tokens' K/V into their pages, once per chunk (the rest into the null page)
+            g = g0[:, None] + jnp.arange(C, dtype=jnp.int32)[None]  # (s, C) generated index of step j
+            col = jnp.clip(g // ps - (g0 // ps)[:, None], 0, wpages.shape[1] - 1)
+            page = jnp.where(jnp.arange(C)[None] < out["fed"][:, None], jnp.take_along_axis(wpages, col, axis=1), 0)
+            off = g % ps
+            ks = tuple(pool.at[page, :, off].set(jnp.swapaxes(r, 1, 2)) for pool, r in zip(state["k"], out["rk"]))
+            vs = tuple(pool.at[page, :, off].set(jnp.swapaxes(r, 1, 2)) for pool, r in zip(state["v"], out["rv"]))
+            new = dict(state, k=ks, v=vs, steps=out["steps"], busy=out["busy"])
+            cur |= {k: out[k] for k in ("logits", "glen", "active", "tokens", "logprobs")}
+            for k in self._PER_SLOT:
+                new[k] = state[k].at[:s].set(cur[k])
+            return new
 
         return chunk
 
@@ -273,22 +318,22 @@ class ContinuousSampler:
                 jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n, L // self.ps), i32),
                 jax.ShapeDtypeStruct((n,), i32))
 
-    def _chunk_args(self, w: int):
-        i32, S = jnp.int32, self.S
-        vec = jax.ShapeDtypeStruct((S,), i32)
-        flag = jax.ShapeDtypeStruct((S,), jnp.bool_)
+    def _chunk_args(self, n: int, w: int):
+        i32 = jnp.int32
+        vec = jax.ShapeDtypeStruct((n,), i32)
+        flag = jax.ShapeDtypeStruct((n,), jnp.bool_)
         admit = {"on": flag, "reset": flag, "handle": vec, "plen": vec, "limit": vec, "row": vec}
-        return (self.e.param_structs, self._state_structs(), jax.ShapeDtypeStruct((S, self.MP + w), i32), admit,
-                jax.ShapeDtypeStruct((2,), jnp.uint32))
+        return (self.e.param_structs, self._state_structs(), vec, jax.ShapeDtypeStruct((n, self.MP + w), i32),
+                jax.ShapeDtypeStruct((n, self.NW), i32), admit, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
     def _plen(self, bucket: int) -> int:
         return math.ceil(bucket / self.ps) * self.ps
 
     def cells(self) -> list[tuple]:
-        """Every program of the grid: ("prefill", prompts, length) and ("decode", view pages)."""
+        """Every program of the grid: ("prefill", prompts, length) and ("decode", slots, view pages)."""
         out = [("prefill", n, self._plen(p)) for n in self.prefill_rows for p in self.cfg.prompt_buckets]
         out = list(dict.fromkeys(out))
-        return out + [("decode", w) for w in self.views]
+        return out + [("decode", n, w) for n in self.slot_buckets for w in self.views]
 
     def ensure(self, cell: tuple) -> None:
         """Build ``cell`` if missing (counted as a compile: after ``precompile`` it never is)."""
@@ -297,10 +342,10 @@ class ContinuousSampler:
         if cell[0] == "prefill":  # logged as ("prefill:n", length, 0)
             self._compile(cell, (f"prefill:{cell[1]}", cell[2], 0), self._prefill_fn(),
                           self._prefill_args(cell[1], cell[2]))
-        else:  # logged as ("decode:S", tokens a slot's view holds, steps per chunk)
-            w = cell[1]
-            self._compile(cell, (f"decode:{self.S}", (self.MP + w) * self.ps, self.C), self._chunk_fn(),
-                          self._chunk_args(w))
+        else:  # logged as ("decode:slots", tokens a slot's history view holds, steps per chunk)
+            n, w = cell[1], cell[2]
+            self._compile(cell, (f"decode:{n}", (self.MP + w) * self.ps, self.C), self._chunk_fn(),
+                          self._chunk_args(n, w))
 
     def precompile(self) -> None:
         for cell in self.cells():
@@ -339,36 +384,34 @@ class ContinuousSampler:
         prompt_pages: dict[int, list[int]] = {}
         prompt_handle: dict[int, int] = {}
         prompt_left = [G] * len(prompts)
-        slot_row = np.full(S, -1)
-        slot_pages: list[list[int]] = [[] for _ in range(S)]
-        slot_glen = np.zeros(S, np.int64)
-        slot_order = np.zeros(S, np.int64)
+        busy: list[_Row] = []  # rows in slots, in slot order (a chunk compacts them to slots 0..n-1)
         admitted = 0
         c = dict(prefill_tokens=0, prefill_flops=0.0, prefill_slots=0, prefill_calls=0, chunks=0,
-                 preemptions=0, prompt_evictions=0, live_token_sum=0, used_page_sum=0, peak_pages=0, samples=0)
+                 preemptions=0, prompt_evictions=0, live_token_sum=0, used_page_sum=0, peak_pages=0, samples=0,
+                 slot_steps=0)
         steps0, busy0 = (int(x) for x in jax.device_get((state["steps"], state["busy"])))
+        steps_prev = steps0
         n_mm = matmul_params(e.param_structs, self.mcfg.tie_word_embeddings)
         program_s = 0.0
+        first = math.ceil(min(self.C, n_new) / ps)  # pages a row needs for its first chunk
 
-        while queue or (slot_row >= 0).any():
-            admit = {"on": np.zeros(S, bool), "reset": np.zeros(S, bool), "handle": np.zeros(S, np.int32),
-                     "plen": np.zeros(S, np.int32), "limit": np.full(S, n_new, np.int32),
-                     "row": np.zeros(S, np.int32)}
-            # 1. admit waiting samples into free slots while pages last (a new prompt needs its pages)
+        def evict_unread(also: int = -1) -> None:
+            """Free the pages of prompts no busy row reads (they are prefilled again if needed)."""
+            reading = {r.row // G for r in busy if not r.gone} | {also}
+            for q in [q for q in prompt_pages if q not in reading]:
+                free_pages.extend(prompt_pages.pop(q))
+                free_handles.append(prompt_handle.pop(q))
+                c["prompt_evictions"] += 1
+
+        while queue or busy:
+            # 1. admit waiting samples while slots and pages last (a new prompt needs its pages)
             to_prefill: list[int] = []
-            first = math.ceil(min(self.C, n_new) / ps)
-            for s in np.flatnonzero(slot_row < 0):
-                if not queue:
-                    break
+            while queue and len(busy) < S:
                 r = queue[0]
                 p = r // G
                 need = first + (0 if p in prompt_pages else math.ceil(lens[p] / ps))
-                if need > len(free_pages):  # drop the pages of prompts no slot reads (re-prefilled later)
-                    reading = {int(x) // G for x in slot_row[slot_row >= 0]} | {p}
-                    for q in [q for q in prompt_pages if q not in reading]:
-                        free_pages.extend(prompt_pages.pop(q))
-                        free_handles.append(prompt_handle.pop(q))
-                        c["prompt_evictions"] += 1
+                if need > len(free_pages):
+                    evict_unread(p)
                     need = first + (0 if p in prompt_pages else math.ceil(lens[p] / ps))
                 if need > len(free_pages) or (p not in prompt_pages and not free_handles):
                     break
@@ -377,53 +420,60 @@ class ContinuousSampler:
                     prompt_pages[p] = [free_pages.pop() for _ in range(math.ceil(lens[p] / ps))]
                     prompt_handle[p] = free_handles.pop()
                     to_prefill.append(p)
-                slot_row[s], slot_glen[s], slot_order[s] = r, 0, admitted
+                busy.append(_Row(r, admitted))
                 admitted += 1
-                admit["on"][s] = admit["reset"][s] = True
-                admit["handle"][s], admit["plen"][s], admit["row"][s] = prompt_handle[p], lens[p], r
             t0 = time.perf_counter()
             state = self._prefill(params, state, prompts, to_prefill, prompt_pages, prompt_handle, c, n_mm)
             program_s += time.perf_counter() - t0
-            # 2. pages for the next chunk; preempt the youngest rows while the pool is short
-            for s in np.argsort(slot_order):
-                if slot_row[s] < 0:
+            # 2. pages for the next chunk, oldest rows first; preempt the youngest while the pool is short
+            for row in sorted(busy, key=lambda x: x.order):
+                if row.gone:
                     continue
-                want = math.ceil(min(slot_glen[s] + self.C, n_new) / ps)
-                while len(slot_pages[s]) < want:
-                    if not free_pages:  # first the pages of prompts no slot reads (re-prefilled later)
-                        reading = {int(x) // G for x in slot_row[slot_row >= 0]}
-                        for q in [q for q in prompt_pages if q not in reading]:
-                            free_pages.extend(prompt_pages.pop(q))
-                            free_handles.append(prompt_handle.pop(q))
-                            c["prompt_evictions"] += 1
+                want = math.ceil(min(row.glen + self.C, n_new) / ps)
+                while len(row.pages) < want:
+                    if not free_pages:
+                        evict_unread()
                         if free_pages:
                             continue
-                    if not free_pages:
-                        busy = np.flatnonzero(slot_row >= 0)
-                        v = busy[np.argmax(slot_order[busy])]
-                        queue.appendleft(int(slot_row[v]))
-                        free_pages.extend(slot_pages[v])
-                        slot_pages[v], slot_row[v] = [], -1
-                        admit["on"][v], admit["reset"][v] = False, True
+                        victim = max((x for x in busy if not x.gone), key=lambda x: x.order)
+                        queue.appendleft(victim.row)
+                        free_pages.extend(victim.pages)
+                        victim.pages, victim.gone = [], True
                         c["preemptions"] += 1
-                        if v == s:
+                        if victim is row:
                             break
                         continue
-                    slot_pages[s].append(free_pages.pop())
-            busy = np.flatnonzero(slot_row >= 0)
-            if not len(busy):
+                    row.pages.append(free_pages.pop())
+            busy = [x for x in busy if not x.gone]
+            if not busy:
                 if queue:
                     raise RuntimeError("continuous sampler admitted nothing with every slot free (pool too small)")
                 break
-            # 3. the block table at the narrowest view that covers every busy slot
-            w = pick_bucket(max(len(slot_pages[s]) for s in busy), self.views, "generated pages")
-            table = np.zeros((S, self.MP + w), np.int32)
+            # 3. the smallest slot bucket that holds the busy rows, and the narrowest history view
+            n = len(busy)
+            sb = pick_bucket(n, self.slot_buckets, "busy slots")
+            w = pick_bucket(max(1, max(math.ceil(x.glen / ps) for x in busy)), self.views, "generated pages")
+            src = np.zeros(sb, np.int32)
+            admit = {"on": np.zeros(sb, bool), "reset": np.ones(sb, bool), "handle": np.zeros(sb, np.int32),
+                     "plen": np.zeros(sb, np.int32), "limit": np.full(sb, n_new, np.int32),
+                     "row": np.zeros(sb, np.int32)}
+            hist = np.zeros((sb, self.MP + w), np.int32)
+            wpages = np.zeros((sb, self.NW), np.int32)
             live = 0
-            for s in busy:
-                p = int(slot_row[s]) // G
-                table[s, :len(prompt_pages[p])] = prompt_pages[p]
-                table[s, self.MP:self.MP + len(slot_pages[s])] = slot_pages[s]
-                live += int(slot_glen[s])
+            for j, x in enumerate(busy):
+                p = x.row // G
+                if x.slot < 0:
+                    admit["on"][j] = True
+                    admit["handle"][j], admit["plen"][j], admit["row"][j] = prompt_handle[p], lens[p], x.row
+                else:
+                    src[j], admit["reset"][j] = x.slot, False
+                pp = prompt_pages[p]
+                hist[j, :len(pp)] = pp
+                k = math.ceil(x.glen / ps)
+                hist[j, self.MP:self.MP + k] = x.pages[:k]
+                seg = x.pages[x.glen // ps:x.glen // ps + self.NW]
+                wpages[j, :len(seg)] = seg
+                live += x.glen
             live += sum(lens[p] for p in prompt_pages)
             used = self.n_pages - 1 - len(free_pages)
             c["live_token_sum"] += live
@@ -431,30 +481,34 @@ class ContinuousSampler:
             c["peak_pages"] = max(c["peak_pages"], used)
             c["samples"] += 1
             # 4. one decode chunk
-            self.ensure(("decode", w))
+            self.ensure(("decode", sb, w))
             t0 = time.perf_counter()
-            args = (table, admit, key)
+            args = (src, hist, wpages, admit, key)
             if e.mesh is not None:
                 args = jax.device_put(args, e._replicated)
-            state = self._compiled[("decode", w)](params, state, *args)
-            active, glen = jax.device_get((state["active"], state["glen"]))
+            state = self._compiled[("decode", sb, w)](params, state, *args)
+            active, glen, steps_now = jax.device_get((state["active"], state["glen"], state["steps"]))
             c["chunks"] += 1
-            # 5. rows that stopped: collect, free their pages
-            done = [s for s in busy if not active[s]]
+            c["slot_steps"] += (int(steps_now) - steps_prev) * sb
+            steps_prev = int(steps_now)
+            # 5. rows that stopped: collect, free their pages; the rest now sit in slots 0..n-1
+            done = [j for j in range(n) if not active[j]]
             if done:
                 toks, lps = jax.device_get((state["tokens"], state["logprobs"]))
             program_s += time.perf_counter() - t0
-            for s in done:
-                r, n = int(slot_row[s]), int(glen[s])
-                out_tok[r, :n], out_lp[r, :n], out_len[r] = toks[s, :n], lps[s, :n], n
-                free_pages.extend(slot_pages[s])
-                slot_pages[s], slot_row[s] = [], -1
+            for j, x in enumerate(busy):
+                x.slot, x.glen = j, int(glen[j])
+            for j in done:
+                x = busy[j]
+                r, m = x.row, x.glen
+                out_tok[r, :m], out_lp[r, :m], out_len[r] = toks[j, :m], lps[j, :m], m
+                free_pages.extend(x.pages)
                 p = r // G
                 prompt_left[p] -= 1
                 if prompt_left[p] == 0:
                     free_pages.extend(prompt_pages.pop(p))
                     free_handles.append(prompt_handle.pop(p))
-            slot_glen[:] = glen
+            busy = [x for j, x in enumerate(busy) if active[j]]
         self._state = state
         steps1, busy1 = (int(x) for x in jax.device_get((state["steps"], state["busy"])))
         steps, busy_steps = steps1 - steps0, busy1 - busy0
@@ -469,7 +523,7 @@ class ContinuousSampler:
         live_mean = c["live_token_sum"] / samples
         t = self.totals
         for k, v in (("calls", 1), ("prefill_tokens", c["prefill_tokens"]), ("prefill_flops", c["prefill_flops"]),
-                     ("decode_steps", steps), ("slot_steps", steps * S), ("busy_slot_steps", busy_steps),
+                     ("decode_steps", steps), ("slot_steps", c["slot_steps"]), ("busy_slot_steps", busy_steps),
                      ("useful_tokens", useful), ("preemptions", c["preemptions"])):
             t[k] += v
         return {
@@ -478,14 +532,14 @@ class ContinuousSampler:
             "engine": "continuous", "new_tokens": useful, "decode_steps": steps, "bucket": (S, plen_out, self.T),
             "compiles": e.stats.compiles - compiles0, "compile_seconds": compile_s,
             # token slots: prefill rows x length, decode slots x steps; padded = not a real token
-            "padded_slots": c["prefill_slots"] - c["prefill_tokens"] + steps * S - useful,
-            "total_slots": c["prefill_slots"] + steps * S,
+            "padded_slots": c["prefill_slots"] - c["prefill_tokens"] + c["slot_steps"] - useful,
+            "total_slots": c["prefill_slots"] + c["slot_steps"],
             "seconds": program_s, "program_seconds": program_s,
             "host_seconds": time.perf_counter() - t_call - program_s - compile_s,
             # issue 17 counters
-            "slots": S, "decode_chunk": self.C, "chunks": c["chunks"], "slot_steps": steps * S,
-            "busy_slot_steps": busy_steps, "occupancy": busy_steps / max(steps * S, 1),
-            "slot_steps_per_token": steps * S / max(useful, 1), "preemptions": c["preemptions"],
+            "slots": S, "decode_chunk": self.C, "chunks": c["chunks"], "slot_steps": c["slot_steps"],
+            "busy_slot_steps": busy_steps, "occupancy": busy_steps / max(c["slot_steps"], 1),
+            "slot_steps_per_token": c["slot_steps"] / max(useful, 1), "preemptions": c["preemptions"],
             "prompt_evictions": c["prompt_evictions"], "prefill_tokens": c["prefill_tokens"],
             "prefill_flops": c["prefill_flops"],
             "prefill_calls": c["prefill_calls"], "prefill_slots": c["prefill_slots"],
