@@ -126,9 +126,10 @@ def test_8b_on_v5e_16_cannot_colocate(tmp_path):
 def test_1b_on_v6e_8_colocated_fits_but_is_refused_on_real_chips(tmp_path):
     """bf16, tied: P = 1,235,814,400. One process on all 8 chips of the v6e host: trainer
     2+2+4 B/param over 8 chips, sampler 2 B/param over TP 8, KV for the 64-row bucket. It fits in
-    HBM, but TorchTPU and JAX cannot open one chip from one process (docs/tpu.md): refused."""
+    HBM, but TorchTPU and JAX cannot open one chip from one process (docs/tpu.md): it fits, and is
+    not runnable on real chips (two verdicts, never mixed)."""
     cfg = load_config(write_cfg(
-        tmp_path, "l1b", cluster={"generation": "v6e", "topology": "2x4"},
+        tmp_path, "l1b", cluster={"generation": "v6e", "topology": "2x4", "emulated": False},
         placement={"sampler_chips": 4, "trainer_chips": 4}, model={**LLAMA_1B, "dtype": "bfloat16"},
         sampler={"group_size": 8, "max_new_tokens": 256, "batch_buckets": [64], "prompt_buckets": [256]},
         trainer={"prompts_per_step": 8}, backend={"matmul_precision": "medium"}))
@@ -136,7 +137,10 @@ def test_1b_on_v6e_8_colocated_fits_but_is_refused_on_real_chips(tmp_path):
     P = llama_params(2048, 8192, 16, 32, 8, 128256, True)
     assert P == 1_235_814_400
     c = by_name(plan, "colocated", chips_per_sampler=8)
-    assert not c.feasible and "colocated on real TPU chips" in c.reason, c.reason
+    assert c.feasible and not c.reason, c.reason
+    assert c.real_chips and not c.runnable and "colocated on real TPU chips" in c.backend_refusal
+    one = by_name(plan, "colocated", chips_per_sampler=1)  # no TP refusal in front of the backend's
+    assert one.feasible and "colocated on real TPU chips" in one.not_runnable, one.not_runnable
     mem = c.memory["sampler+trainer"]
     assert mem["trainer weights"] == pytest.approx(2 * P / 8)
     assert mem["trainer adam_states"] == pytest.approx(4 * P / 8)

@@ -83,9 +83,9 @@ def test_docs_tpu_manifest_requests_the_tpu_resources_of_its_slice():
 
 
 def test_planner_marks_what_torchtpu_cannot_run_infeasible():
-    """Planning the real v5e 2x4 host: colocated and 2- or 3-chip trainer groups are infeasible with
-    the backend's reason (a trainer TP block is one process per chip, so it counts its chips); the
-    configured 4+4 split stays feasible."""
+    """Planning the real v5e 2x4 host: colocated and 2- or 3-chip trainer groups are not runnable,
+    with the backend's reason apart from memory (a trainer TP block is one process per chip, so it
+    counts its chips); the configured 4+4 split fits and runs."""
     from rltpu.config import load_config
     from rltpu.plan.planner import make_plan
 
@@ -93,11 +93,11 @@ def test_planner_marks_what_torchtpu_cannot_run_infeasible():
     by_mode = {}
     for c in plan.candidates:
         by_mode.setdefault(c.mode, []).append(c)
-    assert all(not c.feasible and "colocated on real TPU chips" in c.reason for c in by_mode["colocated"])
+    assert all(not c.runnable and "colocated on real TPU chips" in c.backend_refusal for c in by_mode["colocated"])
     for c in by_mode["disaggregated"]:
         if c.trainer_chips not in (1, 4, 8):
-            assert not c.feasible and "real TPU trainer group" in c.reason, (c.name, c.reason)
-    assert plan.as_configured.feasible, plan.as_configured.reason
+            assert not c.runnable and "real TPU trainer group" in c.backend_refusal, (c.name, c.backend_refusal)
+    assert plan.as_configured.feasible and plan.as_configured.runnable, plan.as_configured.not_runnable
 
 
 def test_status_names_what_each_actor_computes_on():

@@ -10,8 +10,11 @@ plus the placement the config asks for, marked ``as_configured``. Chips come fro
 ``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with (costed
 from its per-host counts, ``place_counts``, so a 6,144-chip slice stays cheap). The
 reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
-Candidates with more than one chip per process are costed as tensor parallelism would run them but
-marked not runnable (``Candidate.not_runnable``): `rltpu train` has no TP yet (issue 16).
+Two separate verdicts per candidate: ``feasible`` (it fits in memory, nothing else) and ``runnable``
+(``rltpu train`` can run it on this backend: process sizes it implements, a model that splits, and
+on real chips what TorchTPU/libtpu accept, ``backend_refusal``). Real-chip limits apply only when the
+chips are real (``ChipTable.emulated`` is False, decided as ``rltpu train`` decides it); on emulated
+chips they are kept as a note of what a real slice would refuse.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Candidate:
     trainer_tp: int = 1
     micro_rows: float = 0.0  # trainer rows per forward/backward (< the shard: gradient accumulation)
     split_refusal: str = ""  # the model does not split over chips_per_* (heads / kv heads / MLP width)
+    backend_refusal: str = ""  # what TorchTPU/libtpu refuse on real chips of this generation ("" = nothing)
+    real_chips: bool = True  # the chips are real, so backend_refusal makes it not runnable
     _ranks: list | None = field(default=None, repr=False, compare=False)
     _where: tuple | None = field(default=None, repr=False, compare=False)  # (cfg, table) it was costed on
 
@@ -77,14 +82,15 @@ class Candidate:
 
     @property
     def not_runnable(self) -> str:
-        """Why `rltpu train` refuses it ("" when it runs): every mode runs (async as
+        """Why `rltpu train` refuses it on this backend ("" when it runs): every mode runs (async as
         placement.staleness=1), with the process sizes ``rltpu train`` accepts
-        (``rltpu.chips.topology.unimplemented_parallelism``, the same check)."""
+        (``rltpu.chips.topology.unimplemented_parallelism``, the same check), a model that splits over
+        them, and on real chips what the TPU runtimes accept. Memory is ``feasible``'s business."""
         if self.mode not in RUNNABLE_MODES:
             return f"placement mode {self.mode} is not run by rltpu train"
         return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False,
                                          mode="colocated" if self.mode == "colocated" else "disaggregated") \
-            or self.split_refusal
+            or self.split_refusal or (self.backend_refusal if self.real_chips else "")
 
     @property
     def runnable(self) -> bool:
@@ -307,12 +313,14 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
     hosts_per_slice = max(1, math.ceil(table.chips_per_slice / table.chips_per_host))
     c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated, hosts_per_slice)
-    if not hw.emulated and c.feasible:  # what TorchTPU cannot run on real chips (docs/tpu.md)
-        try:
-            # trainer TP runs one process per chip (rltpu.chips.topology.trainer_processes)
-            check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode)
-        except ConfigError as e:
-            c.feasible, c.reason = False, str(e)
+    # what TorchTPU/libtpu cannot run on real chips (docs/tpu.md): a backend limit, not memory, so it
+    # never touches ``feasible``; it stops the candidate only where the chips are real
+    c.real_chips = not table.emulated
+    try:
+        # trainer TP runs one process per chip (rltpu.chips.topology.trainer_processes)
+        check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode)
+    except ConfigError as e:
+        c.backend_refusal = str(e)
     sample_s = sum(sample.values()) * oversub_s
     train_s = sum(train.values()) * oversub_t
     sync_s = sum(h.seconds for h in c.route)
@@ -379,9 +387,9 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
 
 
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """Feasible and runnable first, fastest step first; then feasible ones `rltpu train` refuses
-    (tensor-parallel layouts: what TP would give, never the winner); infeasible ones keep their
-    reason, after them, the nearest miss (peak memory / capacity) first."""
+    """Fits and runnable first, fastest step first; then ones that fit but `rltpu train` refuses here
+    (tensor-parallel layouts, or what the real chips' runtimes refuse: shown, never the winner); ones
+    that do not fit in memory keep their reason, after them, the nearest miss (peak / capacity) first."""
     def key(c: Candidate):
         if c.feasible:
             return (0 if c.runnable else 1, c.phases.step)

@@ -2,7 +2,7 @@
 
 Chip layout facts (TensorCores and JAX devices per chip, host blocks, type naming) are not
 repeated here: they come from ``rltpu.chips.topology.GENERATION_FACTS``. Every TPU figure names its
-source tag from ``shared/context/tpu-hardware.md``; figures that could not be checked against a
+source tag from ``docs/tpu-hardware.md`` (each tag a public page or source file); figures that could not be checked against a
 second source are listed in ``unconfirmed`` and every report prints them.
 
 The ``cpu`` entry describes *this* machine, one emulated chip = one pinned core, from
@@ -42,7 +42,7 @@ class Hardware:
     # in ``unconfirmed`` on every TPU entry; the cpu entry measures its own loopback instead
     host_loop_bw: float = 4e9
     # Stated efficiencies (fractions of peak reached by real programs); assumptions, not measured here.
-    train_mfu: float = 0.45  # prime-rl trainer 36% (H200), TorchTPU Llama-405B >50% (v7x) [peer-systems.md]
+    train_mfu: float = 0.45  # an assumption between published trainer MFUs (docs/tpu-hardware.md, "Efficiencies")
     prefill_mfu: float = 0.5
     bw_eff: float = 0.7  # fraction of HBM bandwidth a decode step streams at
     link_eff: float = 0.7  # fraction of ICI/DCN bandwidth a collective reaches
@@ -69,7 +69,7 @@ class Hardware:
 
 
 # -- TPU generations ------------------------------------------------------------------------------
-# Figures: tpu-hardware.md table and raw notes; tags [v4] [v5e] [v5p] [v6e] [7x] [TT] [SB] [XPK] [RAY].
+# Figures: docs/tpu-hardware.md, tags [v4] [v5e] [v5p] [v6e] [7x] [TT] [SB] [XPK] [RAY] name its sources.
 # ICI: bidirectional per chip (links x per-link). DCN: per chip (Gb/s / 8).
 _TPU = {
     "v4": dict(hbm=32 * GiB, hbm_bw=1200 * GB, flops=275e12, ici=540 * GB, dcn=25e9 / 8 * 2, max_chips=4096, pcie=16e9,

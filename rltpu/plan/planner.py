@@ -50,7 +50,8 @@ class Plan:
 
     @property
     def best_unrunnable(self) -> Candidate | None:
-        """The fastest feasible candidate `rltpu train` refuses (tensor parallelism), for the report."""
+        """The fastest candidate that fits but `rltpu train` refuses here (tensor parallelism, or a
+        real-chip runtime limit), for the report."""
         return next((c for c in self.feasible if not c.runnable), None)
 
     @property
@@ -73,11 +74,27 @@ class Plan:
     def label(self) -> str:
         if self.hw.emulated:
             return (f"EMULATED: figures for this CPU ({self.hw.cpu['cores']} cores, one core per emulated "
-                    f"{self.cfg.cluster.generation} chip), from micro-benchmarks; they say nothing about a TPU")
+                    f"{self.cfg.cluster.generation} chip), from micro-benchmarks; they say nothing about a TPU. "
+                    + self.chips_note())
         flagged = ", ".join(self.hw.unconfirmed) or "none"
-        return (f"{self.hw.name} figures from public docs (shared/context/tpu-hardware.md); unconfirmed: {flagged}; "
+        return (f"{self.hw.name} figures from public docs (docs/tpu-hardware.md); unconfirmed: {flagged}; "
                 f"efficiencies are stated assumptions (train MFU {self.hw.train_mfu:.0%}, prefill "
-                f"{self.hw.prefill_mfu:.0%}, HBM {self.hw.bw_eff:.0%}, links {self.hw.link_eff:.0%})")
+                f"{self.hw.prefill_mfu:.0%}, HBM {self.hw.bw_eff:.0%}, links {self.hw.link_eff:.0%}). "
+                + self.chips_note())
+
+    def chips_note(self) -> str:
+        """Whose limits decide "runs here": real chips get TorchTPU's/libtpu's, emulated ones do not
+        (what a real slice would refuse stays in each note), decided as ``rltpu train`` decides it."""
+        if self.table.emulated:
+            why = ("cpu figures plan this machine's emulated chips" if self.hw.emulated else
+                   "cluster.emulated=true" if self.cfg.cluster.emulated else
+                   "cluster.emulated unset and no TPU on this host")
+            refused = sum(1 for c in self.candidates if c.backend_refusal)
+            return (f"Chips: emulated ({why}), so real-chip TorchTPU/libtpu limits are not applied"
+                    + (f"; {refused} candidate(s) would be refused on real {self.cfg.cluster.generation} chips "
+                       f"(set cluster.emulated=false to plan for them)" if refused else "") + ".")
+        return ("Chips: real, so TorchTPU/libtpu limits apply (docs/tpu.md; "
+                "cluster.emulated=true plans emulated chips).")
 
     def why(self) -> str:
         """A paragraph: why the winner wins, what the others lose on, what does not fit."""
@@ -85,9 +102,11 @@ class Plan:
         if win is None:
             tp = self.best_unrunnable
             if tp is not None:
-                return (f"No placement `rltpu train` can run fits on {self.table.describe()} ({self.hw.name}). "
-                        f"Only tensor-parallel ones would: {tp.name} at {tp.phases.step:.3g} s per step, but "
-                        f"{tp.not_runnable}. Use more chips, a smaller model, or fewer prompts per step.")
+                n_fit = len(self.feasible)
+                return (f"{n_fit} placement(s) fit in memory on {self.table.describe()} ({self.hw.name}), but "
+                        f"`rltpu train` can run none of them here. The fastest, {tp.name} at {tp.phases.step:.3g} s "
+                        f"per step, cannot because {tp.not_runnable}. Change the placement (chips per role), "
+                        f"use more chips, a smaller model, or fewer prompts per step.")
             c = self.candidates[0]
             return (f"No candidate fits on {self.table.describe()} ({self.hw.name}). Closest: {c.name}: {c.reason}. "
                     f"Use more chips (cluster.topology/slices), a smaller model, or fewer prompts per step.")
@@ -112,12 +131,15 @@ class Plan:
                 parts.append(f"{mode.capitalize()} does not fit: {best.reason}.")
         tp = self.best_unrunnable
         if tp is not None and tp.phases.step < p.step:
-            parts.append(f"Tensor parallelism would give {tp.name} at {tp.phases.step:.3g} s "
-                         f"({tp.phases.step / p.step - 1:+.0%}), but `rltpu train` cannot run it: "
+            parts.append(f"{tp.name} would take {tp.phases.step:.3g} s "
+                         f"({tp.phases.step / p.step - 1:+.0%}), but `rltpu train` cannot run it here: "
                          f"{tp.not_runnable}.")
         bad = [c for c in self.candidates if not c.feasible]
+        refused = [c for c in self.feasible if not c.runnable]
+        if refused:
+            parts.append(f"{len(refused)} of {len(self.candidates)} candidates fit in memory but cannot run here.")
         if bad:
-            parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit.")
+            parts.append(f"{len(bad)} of {len(self.candidates)} candidates do not fit in memory.")
         return " ".join(parts)
 
     def to_json(self, rank_tables: bool = True) -> dict:
@@ -129,6 +151,7 @@ class Plan:
         def cand(c: Candidate) -> dict:
             return {
                 "name": c.name, "mode": c.mode, "runnable": c.runnable, "not_runnable": c.not_runnable,
+                "backend_refusal": c.backend_refusal,
                 "as_configured": c.as_configured,
                 "sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
                 "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer,
@@ -145,6 +168,7 @@ class Plan:
         return {
             "emulated": self.hw.emulated, "label": self.label(), "hardware": self.hw.name,
             "hardware_sources": self.hw.sources, "unconfirmed": list(self.hw.unconfirmed),
+            "chips_emulated": self.table.emulated,
             "cluster": self.table.describe(), "chips": self.table.num_chips, "pod_type": self.table.pod_type,
             "model": {**self.model.__dict__, "params": self.model.params},
             "workload": {**self.workload.__dict__, "rows": self.workload.rows, "seq": self.workload.seq},
@@ -170,7 +194,9 @@ def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = 
     counts per host; ``detailed``: from every chip, as a cross-check, see ``candidates.evaluate``)."""
     hw = resolve_hardware(cfg, hardware, bench)
     hwmod.check_topology(cfg.cluster.generation, cfg.cluster.topology)
-    table = ChipTable.build(cfg.cluster, emulated=hw.emulated)
+    # the chips are emulated on cpu figures; otherwise as ``rltpu train`` decides (cluster.emulated, or
+    # when unset: no TPU on this host), so real-chip limits apply where the run would meet them
+    table = ChipTable.build(cfg.cluster, emulated=True if hw.emulated else None)
     if not hw.emulated and table.chips_per_slice > hw.max_slice_chips:
         raise ConfigError(f"cluster.topology={cfg.cluster.topology} has {table.chips_per_slice} chips but a "
                           f"{hw.name} slice has at most {hw.max_slice_chips}; use more slices instead")

@@ -77,6 +77,17 @@ def ranks_csv(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _note(c) -> str:
+    """The note column: each verdict with its own label, so a memory miss is never read as a
+    backend limit or the other way round."""
+    return "; ".join(x for x in [
+        "as configured" if c.as_configured else "",
+        f"cannot run here: {c.not_runnable}" if c.not_runnable else "",
+        f"does not fit: {c.reason}" if not c.feasible and c.reason else "",
+        f"on real chips: {c.backend_refusal}" if c.backend_refusal and not c.real_chips else "",
+        *c.warnings] if x)
+
+
 def _rows(plan: Plan, top: int):
     feas = [c for c in plan.candidates if c.feasible][:top]
     bad = [c for c in plan.candidates if not c.feasible][: max(4, top // 2)]
@@ -99,15 +110,14 @@ def markdown(plan: Plan, top: int = 12) -> str:
            f"{f', reward model {w.reward_params / 1e9:.2f}B' if w.reward_params else ''}.", "",
            "## Why", "", plan.why(), "",
            "## Ranked candidates", "",
-           "| # | candidate | runs in `rltpu train` | fits | step | sample | train | sync | host | peak mem / chip | note |",
+           "| # | candidate | runs here | fits in memory | step | sample | train | sync | host | peak mem / chip | note |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, c in enumerate(_rows(plan, top), 1):
         p = c.phases
         peak = max(c.peak_bytes().values()) if c.memory else 0
         cells = ([_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync), _fmt_s(p.host)]
                  if p else ["-"] * 5)
-        note = "; ".join(x for x in ["as configured" if c.as_configured else "", c.not_runnable, c.reason,
-                                             *c.warnings] if x)
+        note = _note(c)
         out.append(f"| {i} | {c.name} | {'yes' if c.runnable else 'no'} | {'yes' if c.feasible else '**no**'} | "
                    + " | ".join(cells) + f" | {fmt_bytes(peak)} / {fmt_bytes(c.capacity)} | {note} |")
     if win:
@@ -361,8 +371,7 @@ def html_page(plan: Plan, top: int = 12) -> str:
         ranked.append([i, c.name, "yes" if c.runnable else "no", "yes" if c.feasible else "NO",
                        *( [_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync)] if p else ["-"] * 4),
                        f"{fmt_bytes(peak)} / {fmt_bytes(c.capacity)}",
-                       "; ".join(x for x in ["as configured" if c.as_configured else "", c.not_runnable, c.reason,
-                                             *c.warnings] if x)])
+                       _note(c)])
     chip_map = _chip_map if plan.detailed_report else _host_map
     if plan.detailed_report:
         ranks = _table("ranks", ["role", "rank", "slice", "host", "chips"],
@@ -392,7 +401,7 @@ def html_page(plan: Plan, top: int = 12) -> str:
         "<h2>Memory per chip</h2>", _memory_bars(plan),
         "<h2>One step per candidate</h2>", _timeline(plan),
         "<h2>Ranked candidates</h2>",
-        _table("ranked", ["#", "candidate", "runs in rltpu train", "fits", "step", "sample", "train", "sync",
+        _table("ranked", ["#", "candidate", "runs here", "fits in memory", "step", "sample", "train", "sync",
                           "peak mem / chip", "note"], ranked),
         "<h2>Rank &rarr; chip</h2>", ranks,
         "<h2>Weight-sync route</h2>", _table("route", ["hop", "link", "from", "to", "bytes", "time"], route),
