@@ -295,7 +295,7 @@ def run_plan(*args, cwd=None, timeout=120):
 @pytest.mark.parametrize("overrides, fragment", [
     (["cluster.topology=3x3"], "not a v5e slice shape"),
     (["cluster.generation=v4", "cluster.topology=3x3x3"], "not a v4 slice shape"),
-    (["cluster.generation=v5p", "cluster.topology=32x32x32"], "not a v5p slice shape"),
+    (["cluster.generation=v5p", "cluster.topology=32x32x32"], "v5p slice"),  # shape, or too many chips
     (["placement.sampler_chips=4"], "6 chips"),  # more chips than the slice has
     (["placement.chips_per_sampler=8", "placement.sampler_chips=8", "sampler.batch_buckets=[1024]"], "10 chips"),
     (["trainer.prompts_per_step=0"], "'trainer.prompts_per_step' has bad value 0"),  # zero batch
