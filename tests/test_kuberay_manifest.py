@@ -11,7 +11,10 @@ import copy
 import functools
 import hashlib
 import re
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (requires-python >= 3.10)
+    import tomli as tomllib
 from pathlib import Path
 
 import jsonschema

@@ -125,8 +125,10 @@ class Plan:
             best = next((c for c in self.candidates if c.mode == mode), None)
             if best is None or best is win:
                 continue
-            if best.feasible:
+            if best.feasible and best.runnable:
                 parts.append(f"Best {mode}: {best.phases.step:.3g} s per step.")
+            elif best.feasible:
+                parts.append(f"{mode.capitalize()} fits but cannot run here: {best.not_runnable}.")
             else:
                 parts.append(f"{mode.capitalize()} does not fit: {best.reason}.")
         tp = self.best_unrunnable
