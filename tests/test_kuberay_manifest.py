@@ -11,15 +11,18 @@ import copy
 import functools
 import hashlib
 import re
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 (requires-python >= 3.10)
-    import tomli as tomllib
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (requires-python >= 3.10)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "tests" / "data" / "kuberay"
@@ -212,6 +215,25 @@ def test_custom_commands_are_kept_and_still_start_ray():
         line = " ".join(c.get("command", []) + c.get("args", []))
         assert line.rstrip().endswith(GEN_CMD) and "--block" not in line, (c["name"], line)
         assert "pip install" not in line, "the image holds the code; nothing is installed at start"
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_the_start_command_runs_ray_start_only_in_a_complete_image(tmp_path, complete):
+    """Each container's command, run by bash as the pod would with a stand-in for KubeRay's
+    `ray start`: it reaches it where rltpu, torch_tpu and libtpu are installed (this venv, with the tpu
+    extra), and stops before it where they are not (the same Python without site-packages)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    py = bin_dir / "python"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {'' if complete else '-S'} \"$@\"\n")
+    py.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "KUBERAY_GEN_RAY_START_CMD": "echo RAY-STARTED",
+           "HOME": str(tmp_path)}
+    for c in _containers(_manifest()):
+        res = subprocess.run(c["command"] + c["args"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert ("RAY-STARTED" in res.stdout) is complete, (c["name"], res.stdout, res.stderr[-500:])
+        assert (res.returncode == 0) is complete, (c["name"], res.returncode, res.stderr[-500:])
 
 
 def test_dockerfile_installs_the_tpu_extra_on_the_pinned_ray_image():
