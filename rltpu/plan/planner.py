@@ -90,9 +90,11 @@ class Plan:
                    "cluster.emulated=true" if self.cfg.cluster.emulated else
                    "cluster.emulated unset and no TPU on this host")
             refused = sum(1 for c in self.candidates if c.backend_refusal)
+            gen = self.cfg.cluster.generation
+            how = f"--hardware {gen} cluster.emulated=false" if self.hw.emulated else "cluster.emulated=false"
             return (f"Chips: emulated ({why}), so real-chip TorchTPU/libtpu limits are not applied"
-                    + (f"; {refused} candidate(s) would be refused on real {self.cfg.cluster.generation} chips "
-                       f"(set cluster.emulated=false to plan for them)" if refused else "") + ".")
+                    + (f"; {refused} candidate(s) would be refused on real {gen} chips "
+                       f"({how} plans for them)" if refused else "") + ".")
         return ("Chips: real, so TorchTPU/libtpu limits apply (docs/tpu.md; "
                 "cluster.emulated=true plans emulated chips).")
 
