@@ -9,12 +9,13 @@ what is allowed; the CLI turns it into exit code 2 without a traceback.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
                       model_validator)
 
 
@@ -23,10 +24,28 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and NaN are never a setting: a deadline of inf never fires, an lr of NaN trains nothing
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+DAY_S = 86_400.0  # the longest timeout or deadline a config may set (longer overflowed in the actors)
+
+
+def _betas(v: tuple[float, float]) -> tuple[float, float]:
+    if not all(0 <= b < 1 for b in v):
+        raise ValueError(f"AdamW betas must each be in [0, 1), got {list(v)} (e.g. [0.9, 0.99])")
+    return v
 
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
+MAX_CHIPS = 65_536  # chips in one job (all slices)
+
+
+def _prod(topology: str) -> int:
+    n = 1
+    for d in topology.split("x"):
+        n *= int(d)
+    return n
 
 
 def is_loopback(host: str) -> bool:
@@ -46,7 +65,7 @@ class ClusterConfig(_Section):
 
     generation: Literal["v4", "v5e", "v5p", "v6e", "7x"] = "v5e"
     topology: str = "2x2"  # chips per slice as AxB (2D: v5e/v6e) or AxBxC (3D: v4/v5p/7x)
-    slices: int = Field(1, ge=1)
+    slices: int = Field(1, ge=1, le=1024)
     emulated: bool | None = None  # None: emulate when no real TPU is found on this host
     address: str | None = None  # join an existing Ray cluster ("auto" or host:port)
     ray_temp_dir: str | None = None  # embedded Ray's temp dir; default a fresh /tmp/rltpu-ray-* (short socket paths)
@@ -69,6 +88,16 @@ class ClusterConfig(_Section):
                 f"topology {self.topology!r} has {ndim} dims but {self.generation} slices are {want}D "
                 f"(e.g. {'2x4' if want == 2 else '2x2x1'})"
             )
+        # arithmetic on the string, before anything builds a chip table (1024x1024 took 5.5 s and 442 MB)
+        from rltpu.plan.hardware import tpu
+
+        chips, largest = _prod(self.topology), tpu(self.generation).max_slice_chips
+        if chips > largest:
+            raise ValueError(f"topology {self.topology!r} is {chips} chips but the largest {self.generation} slice "
+                             f"has {largest}; use a smaller topology (or more cluster.slices)")
+        if chips * self.slices > MAX_CHIPS:
+            raise ValueError(f"{self.slices} slices of {self.topology} are {chips * self.slices} chips, more than "
+                             f"rltpu handles ({MAX_CHIPS}); lower cluster.slices")
         if not self.allow_remote and not is_loopback(self.bind_host):
             raise ValueError(f"bind_host={self.bind_host!r} is not a loopback address: other hosts could reach the "
                              f"embedded Ray cluster; set cluster.allow_remote=true to mean it (or bind 127.0.0.1)")
@@ -193,6 +222,9 @@ class ModelConfig(_Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if data.get("path") is not None and not isinstance(data["path"], str):
+            raise ValueError(f"path must be a directory name (a string), got {type(data['path']).__name__} "
+                             f"{str(data['path'])[:40]!r}")
         if data.get("path") is not None:
             from rltpu.models.hf.config import merge_checkpoint_config
 
@@ -259,7 +291,7 @@ class TaskConfig(_Section):
     # returns a non-finite value or times out scores reward_default and is counted per step
     reward_workers: int = Field(2, ge=1)
     reward_concurrency: int = Field(128, ge=1)  # calls in flight per worker (threads; 1 = one at a time)
-    reward_timeout_s: float = Field(30.0, gt=0)
+    reward_timeout_s: float = Field(30.0, gt=0, le=DAY_S)
     reward_default: float = 0.0
     reward_max_failure_frac: float = Field(0.1, ge=0, le=1)  # more failed calls in a step stop the job
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
@@ -351,7 +383,7 @@ class SamplerConfig(_Section):
     temperature: float = Field(1.0, ge=0)  # 0 = greedy (argmax); logprobs are then those at T=1
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0 = off
-    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the tokenizer's EOS
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()  # extra stop tokens besides the tokenizer's EOS
     max_new_tokens: int = Field(8, ge=1)
     batch_buckets: tuple[int, ...] = (16, 32, 64)  # rows (prompts x G) per compiled program
     prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
@@ -450,7 +482,7 @@ class TrainerConfig(_Section):
     target_window: int = Field(5, ge=1)
     prompts_per_step: int = Field(16, ge=1)
     lr: float = Field(3e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -521,7 +553,7 @@ class CriticConfig(_Section):
     the policy's starting weights, trained in the trainer group beside the policy."""
 
     lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -533,7 +565,7 @@ class SyncConfig(_Section):
     """Trainer -> sampler weight broadcast over a torch.distributed (gloo on CPU) group."""
 
     bucket_mb: float = Field(16.0, gt=0)  # flat bucket size per trainer stream (trainer peak extra <= 2 buckets)
-    timeout_s: float = Field(120.0, gt=0)  # every sync collective and rendezvous: a dead peer fails within it
+    timeout_s: float = Field(120.0, gt=0, le=DAY_S)  # every sync collective and rendezvous: a dead peer fails within it
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the sampler's dtype (model.dtype)
     verify_every: int = Field(10, ge=0)  # compare sampler vs trainer logits on a probe every N syncs (0: never)
 
@@ -551,42 +583,42 @@ class BackendConfig(_Section):
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0)  # 0: only the final (and Ctrl-C) checkpoint
-    keep_last: int = Field(2, ge=1)  # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ...: a corrupt latest falls back
+    keep_last: int = Field(2, ge=1, le=100)  # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ...: a corrupt latest falls back
 
 
 class PhaseDeadlines(_Section):
     """Seconds an actor may stay in one phase before it is declared hung, fenced and replaced."""
 
-    compiling: float = Field(1800.0, gt=0)
-    loading: float = Field(1800.0, gt=0)
-    sampling: float = Field(600.0, gt=0)
-    scoring: float = Field(600.0, gt=0)
-    training: float = Field(600.0, gt=0)
-    syncing: float = Field(120.0, gt=0)
-    checkpointing: float = Field(600.0, gt=0)
+    compiling: float = Field(1800.0, gt=0, le=DAY_S)
+    loading: float = Field(1800.0, gt=0, le=DAY_S)
+    sampling: float = Field(600.0, gt=0, le=DAY_S)
+    scoring: float = Field(600.0, gt=0, le=DAY_S)
+    training: float = Field(600.0, gt=0, le=DAY_S)
+    syncing: float = Field(120.0, gt=0, le=DAY_S)
+    checkpointing: float = Field(600.0, gt=0, le=DAY_S)
     # start-up and supervision steps: each remote call waits at most this long, and an actor
     # reporting the phase longer than this is fenced (none of them runs as the deadline-free "idle")
-    identity: float = Field(300.0, gt=0)  # includes starting the process (imports)
-    claim: float = Field(300.0, gt=0)
-    rendezvous: float = Field(300.0, gt=0)
-    join_sync: float = Field(300.0, gt=0)
-    probe: float = Field(300.0, gt=0)
+    identity: float = Field(300.0, gt=0, le=DAY_S)  # includes starting the process (imports)
+    claim: float = Field(300.0, gt=0, le=DAY_S)
+    rendezvous: float = Field(300.0, gt=0, le=DAY_S)
+    join_sync: float = Field(300.0, gt=0, le=DAY_S)
+    probe: float = Field(300.0, gt=0, le=DAY_S)
 
 
 class HealthConfig(_Section):
     """Heartbeats, deadlines and restarts (``rltpu.observe.health``)."""
 
     enabled: bool = True
-    heartbeat_s: float = Field(1.0, gt=0)  # each actor reports this often, from its own thread
-    heartbeat_timeout_s: float = Field(60.0, gt=0)  # silence longer than this (e.g. SIGSTOP): hung
+    heartbeat_s: float = Field(1.0, gt=0, le=DAY_S)  # each actor reports this often, from its own thread
+    heartbeat_timeout_s: float = Field(60.0, gt=0, le=DAY_S)  # silence longer than this (e.g. SIGSTOP): hung
     deadlines: PhaseDeadlines = PhaseDeadlines()
-    max_restarts: int = Field(3, ge=0)  # per actor slot; one more failure stops the job with a report
-    poll_s: float = Field(1.0, gt=0)  # the controller's watchdog: health.json and verdicts this often
+    max_restarts: int = Field(3, ge=0, le=1000)  # per actor slot; one more failure stops the job with a report
+    poll_s: float = Field(1.0, gt=0, le=DAY_S)  # the controller's watchdog: health.json and verdicts this often
     # bounded driver memory: the files are the record (metrics.jsonl, ledger.jsonl); in memory and in
     # trace.json only the newest spans/events are kept
     trace_max_spans: int = Field(20_000, ge=0)  # actor + controller phase spans kept for trace.json
     max_events: int = Field(200, ge=1)  # fenced/replaced/restarted events kept (health.json, status)
-    trace_every_s: float = Field(10.0, ge=0)  # trace.json is rewritten at most this often (and at the end)
+    trace_every_s: float = Field(10.0, ge=0, le=DAY_S)  # trace.json is rewritten at most this often (and at the end)
 
 
 class DashboardConfig(_Section):
@@ -626,10 +658,18 @@ class PlannerConfig(_Section):
 class RunConfig(_Section):
     """The whole job."""
 
-    name: str = "rltpu"
+    name: str = "rltpu"  # default run_dir runs/<name>: a plain name, never a path
     run_dir: str | None = None  # default: runs/<name>
-    seed: int = 0
-    cluster: ClusterConfig = ClusterConfig()
+    seed: int = Field(0, ge=0, le=2**31 - 1)  # seeds derived from it (seed * 1000003 + ...) stay in int64
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v) or ".." in v:
+            raise ValueError(f"must be a plain name (letters, digits, '.', '_', '-'; no '/' or '..'), got {v!r}; "
+                             f"set run_dir for another directory")
+        return v
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # built on use: its check imports rltpu.plan
     placement: PlacementConfig = PlacementConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -673,6 +713,13 @@ class RunConfig(_Section):
         if self.placement.staleness and self.trainer.dynamic_sampling:
             raise ValueError("placement.staleness > 0 with trainer.dynamic_sampling is not supported (a refill "
                              "round needs the step's own rewards); set one of them off")
+        need = max(self.sampler.prompt_buckets) + (self.env.max_tokens if self.env is not None
+                                                     else max(self.sampler.new_tokens_grid))
+        if self.model.max_position_embeddings < need:
+            raise ValueError(f"model.max_position_embeddings={self.model.max_position_embeddings} is shorter than the "
+                             f"longest sequence ({max(self.sampler.prompt_buckets)} prompt + "
+                             f"{need - max(self.sampler.prompt_buckets)} new tokens = {need}); raise it or lower "
+                             f"sampler.prompt_buckets / max_new_tokens")
         rows = self.trainer.prompts_per_step * self.sampler.group_size
         n_samplers = self.placement.sampler_chips // self.placement.chips_per_sampler
         n_trainers = self.placement.trainer_chips // self.placement.chips_per_trainer
@@ -810,9 +857,30 @@ def _coerce_yaml_floats(node: Any) -> Any:
     return node
 
 
+def _check_finite(node: Any, key: str = "") -> None:
+    """No inf or NaN anywhere in the tree, free-form sections (reward_kwargs, env kwargs) included;
+    deeper than any config nests is refused too (a deep YAML would otherwise end in RecursionError)."""
+    if key.count(".") > 32:
+        raise ConfigError(f"config key '{key[:80]}...' is nested more than 32 levels deep; flatten it")
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"config key '{key or '<root>'}' has bad value {node}: inf and NaN are not allowed; "
+                          f"give a finite number")
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{key}.{i}" if key else str(i))
+
+
 def build_config(data: dict[str, Any]) -> RunConfig:
     try:
-        return RunConfig.model_validate(_coerce_yaml_floats(data))
+        data = _coerce_yaml_floats(data)
+    except RecursionError:
+        raise ConfigError("config nests too deeply to be a config; flatten it") from None
+    _check_finite(data)
+    try:
+        return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
 
@@ -824,11 +892,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist (try configs/quickstart.yaml)")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise ConfigError(f"config file '{p}' is not valid YAML{where}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file '{p}' is not UTF-8 (byte {err.start}); save it as UTF-8") from None
+        except RecursionError:
+            raise ConfigError(f"config file '{p}' nests too deeply to be a config; flatten it") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -75,6 +75,10 @@ class Controller:
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
         self.placement.cfg = cfg
         self.vocab = resolve_vocab(cfg, self.tokenizer)
+        bad = [t for t in cfg.sampler.stop_token_ids if t >= self.vocab]
+        if bad:  # an id past the vocabulary never stops a row (or indexes past the logits)
+            raise ConfigError(f"sampler.stop_token_ids has {bad[0]}, but the vocabulary has {self.vocab} ids "
+                              f"(0..{self.vocab - 1}); remove it or use the tokenizer's id")
         # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
         load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
         self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray

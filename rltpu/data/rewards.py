@@ -82,6 +82,11 @@ def _column(example: dict, column: str, fn: str):
     return example[column]
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
 def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
     """Import ``module:function`` and bind ``kwargs``; a bad path or keyword is a one-line error."""
     module_name, _, fn_name = path.partition(":")
@@ -89,6 +94,11 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"task.reward_fn={path!r}: cannot import module {module_name!r} ({err})") from None
+    except BaseException as err:  # noqa: BLE001 - the module's own code raised (or a SyntaxError): one line
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise ValueError(f"task.reward_fn={path!r}: importing module {module_name!r} raised {_first_line(err)}; "
+                         f"fix the module (it runs as trusted code in every reward worker)") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"task.reward_fn={path!r}: module {module_name!r} has no function {fn_name!r}")

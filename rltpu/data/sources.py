@@ -22,6 +22,7 @@ Every problem with a file is a :class:`DatasetError`: one line with the file, li
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -94,17 +95,42 @@ def check_prompt_lengths(prompt_ids: list[list[int]], examples: list[dict], samp
 # Reading files
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows to {value}")
+    return value
+
+
+def _loads(text: str, at: str, what: str):
+    """``json.loads`` that refuses NaN/Infinity and overflowing numbers, and turns too-deep nesting
+    into a one-line error naming ``at`` (file:line)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{at}: malformed JSON at column {err.colno} ({err.msg}); {what}") from None
+    except ValueError as err:  # NaN, Infinity, 1e999
+        raise DatasetError(f"{at}: {err}; every number in a dataset must be finite") from None
+    except RecursionError:
+        raise DatasetError(f"{at}: JSON nested too deeply; {what}") from None
+
+
 def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
     rows, where = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column "
+                                   f"{err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON at column {err.colno} ({err.msg}); each line "
-                                   f"must be one JSON object") from None
+            row = _loads(line, f"{path}:{lineno}", "each line must be one JSON object")
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{lineno}: a line is a JSON {type(row).__name__}, expected an object "
                                    f"like {{\"prompt\": \"...\"}}")
@@ -114,11 +140,21 @@ def _read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
 
 
 def _read_json(path: Path) -> tuple[list[dict], list[str]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as err:
         raise DatasetError(f"{path}:{err.lineno}: malformed JSON at column {err.colno} ({err.msg}); a .json dataset "
                            f"is one list of objects (use .jsonl for one object per line)") from None
+    except ValueError as err:
+        raise DatasetError(f"{path}: {err}; every number in a dataset must be finite") from None
+    except RecursionError:
+        raise DatasetError(f"{path}: JSON nested too deeply; a .json dataset is one list of objects") from None
     if not isinstance(data, list):
         raise DatasetError(f"{path}: holds a JSON {type(data).__name__}; a .json dataset is a list of objects "
                            f"(use .jsonl for one object per line)")
@@ -168,7 +204,27 @@ def read_prompt_file(path: str | Path, prompt_key: str = "prompt", messages_key:
     return rows, where
 
 
+def _nonfinite(node, depth: int = 0) -> str | None:
+    """The path of a NaN/inf value in a row (Parquet float columns), or None."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return ""
+    if depth < 16 and isinstance(node, dict):
+        for k, v in node.items():
+            sub = _nonfinite(v, depth + 1)
+            if sub is not None:
+                return f".{k}{sub}"
+    if depth < 16 and isinstance(node, list):
+        for i, v in enumerate(node):
+            sub = _nonfinite(v, depth + 1)
+            if sub is not None:
+                return f"[{i}]{sub}"
+    return None
+
+
 def _check_row(row: dict, at: str, prompt_key: str, messages_key: str) -> None:
+    bad = _nonfinite(row)
+    if bad is not None:
+        raise DatasetError(f"{at}: column {bad[1:]} is NaN or infinite; every number in a dataset must be finite")
     messages = row.get(messages_key)
     if messages is not None:
         ok = isinstance(messages, list) and messages and all(

@@ -32,6 +32,13 @@ def load_env_class(path: str) -> type:
     except ImportError as err:
         raise ConfigError(f"env.path={path!r}: cannot import module {module_name!r} ({err}); "
                           f"check the module path and that its package is installed") from None
+    except BaseException as err:  # noqa: BLE001 - the module's own code raised (or a SyntaxError): one line
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        text = str(err).strip().splitlines()
+        raise ConfigError(f"env.path={path!r}: importing module {module_name!r} raised {type(err).__name__}"
+                          f"{': ' + text[0][:200] if text else ''}; fix the module (it runs as trusted code in "
+                          f"every environment worker)") from None
     cls = getattr(module, name, None)
     if cls is None:
         raise ConfigError(f"env.path={path!r}: module {module_name!r} has no {name!r}")
