@@ -93,8 +93,9 @@ class ClusterConfig(_Section):
 
         chips, largest = _prod(self.topology), tpu(self.generation).max_slice_chips
         if chips > largest:
-            raise ValueError(f"topology {self.topology!r} is {chips} chips but the largest {self.generation} slice "
-                             f"has {largest}; use a smaller topology (or more cluster.slices)")
+            raise ValueError(f"topology {self.topology!r} is not a {self.generation} slice shape: {chips} chips, but "
+                             f"the largest {self.generation} slice has {largest}; use a smaller topology (or more "
+                             f"cluster.slices)")
         if chips * self.slices > MAX_CHIPS:
             raise ValueError(f"{self.slices} slices of {self.topology} are {chips * self.slices} chips, more than "
                              f"rltpu handles ({MAX_CHIPS}); lower cluster.slices")
