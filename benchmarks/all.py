@@ -136,7 +136,7 @@ def train_run(config: str, seed: int, *overrides: str, prefix: str = "rltpu-benc
 
     run_dir = Path(tempfile.mkdtemp(prefix=prefix))
     cmd = ["rltpu", "train", config, f"seed={seed}", "progress=false", *overrides, "--run-dir", str(run_dir)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     load = LoadSampler()
     load.start()
     t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def run_part(name: str, argv: list[str], timeout: float) -> dict:
              "loadavg_before": loadavg()}
     sampler = LoadSampler()
     sampler.start()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # no TorchTPU/libtpu import on CPU, as rltpu's own processes
     t0 = time.perf_counter()

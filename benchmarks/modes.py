@@ -83,7 +83,7 @@ def run(name: str, overrides: list[str], steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"rltpu-mode-{name}-"))
     cmd = ["rltpu", "train", "configs/quickstart.yaml", *overrides, f"trainer.steps={steps}", "trainer.target_reward=null", "progress=false",
            "--run-dir", str(run_dir)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=1800)

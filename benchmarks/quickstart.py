@@ -62,7 +62,7 @@ def params() -> int:
 
 def run(seed: int, run_dir: Path) -> dict:
     cmd = ["rltpu", "train", CONFIG, f"seed={seed}", "progress=false", "--run-dir", str(run_dir)]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "rltpu.cli", *cmd[1:]], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=1800)

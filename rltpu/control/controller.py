@@ -62,6 +62,18 @@ from rltpu.observe.loggers import build_loggers, check_loggers
 from rltpu.sync.collective import param_spec
 
 
+def fabric_warning(host: str, port: int) -> str | None:
+    """The line to print when the weight-sync fabric listens on a non-loopback address: torch's
+    TCPStore and gloo have no authentication of their own, and Ray's token does not cover them."""
+    from rltpu.config import is_loopback
+
+    if is_loopback(host):
+        return None
+    return (f"rltpu: warning: the weight-sync fabric (torch.distributed TCPStore on {host}:{port}, gloo on ephemeral "
+            f"ports) is unauthenticated: any host that reaches {host} can join it, read the weights or send "
+            f"tensors (Ray's token does not cover it); run only on a trusted network or firewall these ports")
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False):
         self.address, self.resume = address or cfg.cluster.address, resume
@@ -160,6 +172,9 @@ class Controller:
         n_t = len(g.trainers)
         members = g.trainers if self.colocated else g.trainers + g.samplers
         master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
+        warning = fabric_warning(master, port)
+        if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
+            print(warning, file=sys.stderr, flush=True)
         args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s, p.trainer_tp)  # noqa: E731
         bounded_get(ray, [a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)], "rendezvous", d,
                     "the process groups")
