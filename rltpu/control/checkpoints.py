@@ -26,7 +26,16 @@ class Checkpoints:
                 "config": self.cfg.to_dict(), "in_flight_prompts": in_flight_prompts,
                 # sampler randomness is a pure function of (seed, step, sampler rank): nothing else to save
                 "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
-        return self.ray.get([t.save_checkpoint.remote(str(self.dir), meta) for t in self.groups.trainers])[0]
+        return self._get([t.save_checkpoint.remote(str(self.dir), meta) for t in self.groups.trainers],
+                         "checkpointing", "the checkpoint save")[0]
+
+    def _get(self, refs, phase: str, what: str):
+        """Bounded like every wait on the step path: the phase's deadline + the heartbeat timeout
+        (the watchdog fences first when health is on; with it off, a hung save still ends)."""
+        from rltpu.observe.health import bounded_get
+
+        h = self.cfg.health
+        return bounded_get(self.ray, refs, phase, h.deadlines, what, slack_s=h.heartbeat_timeout_s)
 
     def load_latest(self, required: bool = True) -> tuple[Path, dict] | None:
         """The newest checkpoint whose files verify (a corrupt one is skipped with a warning and moved
@@ -40,5 +49,6 @@ class Checkpoints:
             if required:
                 raise ConfigError(f"--resume: no valid checkpoint in {self.dir}[.prev*]; run without --resume")
             return None
-        meta = self.ray.get([t.load_checkpoint.remote(str(path)) for t in self.groups.trainers])[0]
+        meta = self._get([t.load_checkpoint.remote(str(path)) for t in self.groups.trainers], "loading",
+                         f"loading {path}")[0]
         return path, meta

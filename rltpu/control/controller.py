@@ -56,10 +56,37 @@ from rltpu.control.weights import WeightSync
 from rltpu.data.rewards import load_reward_fn
 from rltpu.data.envs.base import load_env_class, make_env
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
-from rltpu.observe.health import HealthError, bounded_get
+from rltpu.observe.health import HealthError, PhaseTimeout, bounded_get
 from rltpu.observe.ledger import Ledger
 from rltpu.observe.loggers import build_loggers, check_loggers
 from rltpu.sync.collective import param_spec
+
+
+def owned_ray_temp_dir(ray, cfg: RunConfig, address: str | None) -> Path | None:
+    """Ray's temp dir when this run made it (an embedded cluster without ``cluster.ray_temp_dir``:
+    a fresh ``/tmp/rltpu-ray-*``), to be removed at shutdown; None otherwise (a joined cluster's or
+    the user's own directory is never touched)."""
+    if address or cfg.cluster.ray_temp_dir:
+        return None
+    try:
+        path = Path(ray._private.worker._global_node.get_temp_dir_path())
+    except Exception:  # noqa: BLE001 - Ray internals moved: leave the directory, as before
+        return None
+    return path if path.name.startswith("rltpu-ray-") and path.parent == Path("/tmp") else None
+
+
+def remove_ray_temp(path: Path | None) -> None:
+    """After ``ray.shutdown``: the run's Ray session files (logs, sockets, spilled objects) go, so
+    runs do not pile up ``/tmp/rltpu-ray-*``. Best effort: a straggling Ray process may still write."""
+    import shutil
+
+    if path is None:
+        return
+    for _ in range(3):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.2)
 
 
 def fabric_warning(host: str, port: int) -> str | None:
@@ -124,6 +151,7 @@ class Controller:
         self._data_before: dict | None = None  # the data cursor before the current step drew
         self.handle_signals = False  # the CLI sets it: SIGINT/SIGTERM -> KeyboardInterrupt (INTERRUPTS)
         self.ray = None
+        self._ray_temp: Path | None = None  # Ray's session files in a /tmp/rltpu-ray-* this run made
         self.weights: WeightSync | None = None
         self.checkpoints: Checkpoints | None = None
         self.compile_log, self.compile_summary = [], {}
@@ -151,6 +179,7 @@ class Controller:
         save_config(self.cfg, self.run_dir / "config.yaml")
         p = self.placement
         ray = self.ray = p.start_cluster(self.address)
+        self._ray_temp = owned_ray_temp_dir(ray, self.cfg, self.address)
         self._restore_sigterm()
         self._check_interrupt()
         p.spawn_all()
@@ -193,7 +222,8 @@ class Controller:
             self._load_checkpoint(required=True)
         self.weights.join()
         self.weights.push(self.version)
-        extra = {"compile_log": self.compile_log, "compiling": self.compile_summary}
+        extra = {"compile_log": self.compile_log, "compiling": self.compile_summary,
+                 "ray_temp_dir": str(self._ray_temp) if self._ray_temp else None}
         if self.colocated:  # both roles resident in one process: what each process holds, measured
             extra["memory"] = bounded_get(ray, [t.memory.remote() for t in g.trainers], "probe", d, "memory reports")
         else:  # each sampler's mesh and the weight bytes on each of its devices (1/k with TP), measured
@@ -286,11 +316,15 @@ class Controller:
             submitted, errors, stale = None, [], False
             waiting = {ref: r for r, (_handle, ref) in calls.items()}
             while waiting:  # in the order they finish
-                ready, _ = self.ray.wait(list(waiting), num_returns=1)
+                ready, _ = self.ray.wait(list(waiting), num_returns=1, timeout=self._wait_s("sampling"))
+                if not ready:  # health.enabled=false (or the watchdog itself stuck): never an endless wait
+                    raise PhaseTimeout(f"no sampler shard arrived within health.deadlines.sampling="
+                                       f"{self.cfg.health.deadlines.sampling:g}s + heartbeat_timeout_s (raise it "
+                                       f"for a slow machine)")
                 for ref in ready:
                     r = waiting.pop(ref)
                     try:
-                        outs[r] = self.ray.get(ref)
+                        outs[r] = self.ray.get(ref, timeout=self._wait_s("sampling"))  # ready: local already
                     except Exception as err:  # noqa: BLE001
                         errors.append(err)
                         stale |= calls[r][0] is not samplers[r]  # already replaced after an earlier failure
@@ -415,8 +449,8 @@ class Controller:
             layout = train_layout(gen)
             keys = ("tokens", "position_ids", "attention_mask")
             parts = np.array_split(np.arange(len(rule)), len(rewarders))
-            rm = np.concatenate(self.ray.get([r.score.remote(*(layout[k][idx] for k in keys))
-                                              for r, idx in zip(rewarders, parts)]))
+            rm = np.concatenate(self._get([r.score.remote(*(layout[k][idx] for k in keys))
+                                           for r, idx in zip(rewarders, parts)], "scoring", "the reward models"))
         self._reward_parts = {"reward_rule_mean": float(rule.mean()),
                               "reward_model_mean": float(rm.mean()) if rm is not None else None}
         return combine_rewards(rule, rm, self.cfg.task.reward_weight, self.cfg.reward_model)
@@ -433,11 +467,13 @@ class Controller:
             layout = train_layout(gen)
             parts = self._per_trainer(layout)
             if tc.kl_in_reward:  # the reference's logprobs: the penalty shapes the advantages
-                ref = np.concatenate(self._per_shard(ray.get([t.logprobs.remote(b, True) for t, b in zip(trainers, parts)])))
+                ref = np.concatenate(self._per_shard(self._get([t.logprobs.remote(b, True) for t, b in zip(
+                    trainers, parts)], "training", "the reference logprobs")))
                 kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
                 kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
             if tc.algorithm == "ppo":  # the critic's values: GAE needs them
-                values = np.concatenate(self._per_shard(ray.get([t.values.remote(b) for t, b in zip(trainers, parts)])))
+                values = np.concatenate(self._per_shard(self._get([t.values.remote(b) for t, b in zip(trainers, parts)],
+                                                                  "training", "the critic's values")))
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
                                   kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
                                   lam=cfg.critic.gae_lambda if cfg.critic else 1.0,
@@ -455,7 +491,7 @@ class Controller:
                 self.phase, self.step_idx = "train", self.step_idx + 1  # the update will land even if interrupted
                 self.draws.commit(self.step_idx, self.version, int(np.min(gen["versions"])))
                 self.rollouts.current = None
-            stats = self._per_shard(ray.get(refs))
+            stats = self._per_shard(self._get(refs, "training", "the trainers' update"))
             train_s = time.perf_counter() - t1
             self.version += 1
             self.phase = "sync"
@@ -470,7 +506,7 @@ class Controller:
             # it and log the step with the figures it has (sync/probe may be missing), so metrics
             # and checkpoint agree on the step
             if stats is None:
-                stats = self._per_shard(ray.get(refs))
+                stats = self._per_shard(self._get(refs, "training", "the interrupted step's update"))
                 train_s = time.perf_counter() - t1
                 self.version += 1
             try:
@@ -481,6 +517,20 @@ class Controller:
                       file=sys.stderr)
             raise
         return self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe, StepTimes(t_step, sample_s, train_s))
+
+    def _wait_s(self, phase: str) -> float:
+        """How long the driver waits on one call of ``phase``: its deadline plus the heartbeat timeout
+        (so with health on the watchdog fences a hung actor first); an env shard is up to
+        ``env.max_turns`` generate calls."""
+        h = self.cfg.health
+        turns = self.cfg.env.max_turns if self.cfg.env is not None and phase == "sampling" else 1
+        return float(getattr(h.deadlines, phase)) * turns + h.heartbeat_timeout_s
+
+    def _get(self, refs, phase: str, what: str):
+        """``ray.get`` on the step path, bounded: a call that hangs with ``health.enabled=false`` ends
+        in a one-line ``PhaseTimeout`` instead of waiting forever."""
+        return bounded_get(self.ray, refs, phase, self.cfg.health.deadlines, what,
+                           slack_s=self._wait_s(phase) - float(getattr(self.cfg.health.deadlines, phase)))
 
     def _per_trainer(self, batch: dict) -> list[dict]:
         """``split_by_rank`` over the data-parallel groups: the k ranks of a TP group
@@ -529,7 +579,7 @@ class Controller:
         if self.cfg.loggers.samples:
             self._log_samples(gen, rewards)
         if self.colocated and sync is not None:  # both roles resident: what each process holds now
-            mem = self.ray.get([t.memory.remote() for t in self.placement.groups.trainers])
+            mem = self._get([t.memory.remote() for t in self.placement.groups.trainers], "probe", "memory reports")
             ds = dict(ds, proc_rss_mb=max(m["rss_bytes"] for m in mem) / 2**20,
                       proc_peak_rss_mb=max(m["peak_rss_bytes"] for m in mem) / 2**20)
         return step_record(self.cfg, step=self.step_idx, version=self.version, emulated=self.emulated, gen=gen,
@@ -745,6 +795,7 @@ class Controller:
         if self.envs is not None:
             self.envs.shutdown()
         self.placement.shutdown()
+        remove_ray_temp(self._ray_temp)
 
 
 class _ShardScoring:

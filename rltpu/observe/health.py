@@ -40,16 +40,19 @@ class PhaseTimeout(RuntimeError):
     """A remote call of a start-up or supervision phase missed its ``health.deadlines`` entry."""
 
 
-def bounded_get(ray, refs, phase: str, deadlines, what: str):
-    """``ray.get(refs)`` that waits at most ``health.deadlines.<phase>`` seconds: a hang in start-up
-    or supervision (no heartbeat deadline covers a call the driver itself waits on) becomes a
-    ``PhaseTimeout`` naming the phase and the setting, never an endless wait."""
-    limit = float(getattr(deadlines, phase))
+def bounded_get(ray, refs, phase: str, deadlines, what: str, slack_s: float = 0.0):
+    """``ray.get(refs)`` that waits at most ``health.deadlines.<phase>`` seconds (+ ``slack_s``): a
+    hang in start-up or supervision (no heartbeat deadline covers a call the driver itself waits
+    on) becomes a ``PhaseTimeout`` naming the phase and the setting, never an endless wait. On the
+    step and checkpoint paths ``slack_s`` is the heartbeat timeout: with health on, the watchdog
+    fences a hung actor first (and the step is recovered); with it off, the wait still ends."""
+    limit = float(getattr(deadlines, phase)) + slack_s
     try:
         return ray.get(refs, timeout=limit)
     except ray.exceptions.GetTimeoutError:
-        raise PhaseTimeout(f"{what} did not finish within health.deadlines.{phase}={limit:g}s "
-                           f"(raise it for a slow machine)") from None
+        extra = f" + {slack_s:g}s" if slack_s else ""
+        raise PhaseTimeout(f"{what} did not finish within health.deadlines.{phase}="
+                           f"{float(getattr(deadlines, phase)):g}s{extra} (raise it for a slow machine)") from None
 
 
 def rss_mb() -> float:
@@ -254,9 +257,15 @@ def actor_rows(reports: dict[str, dict], expected: list[str], restarts: dict[str
 def write_health(path: Path, doc: dict) -> None:
     """Atomic replace, so a reader (status, dashboard) never sees half a file."""
     path = Path(path)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp = _tmp_name(path)
     tmp.write_text(json.dumps(doc, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def _tmp_name(path: Path) -> Path:
+    """A temp name of this process *and thread*: the watchdog thread and the main thread both write
+    health.json (and trace.json); one shared temp name let one's rename publish the other's half."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def read_health(run_dir: Path) -> dict:
@@ -346,6 +355,6 @@ def trace_events(spans: list[dict], controller_spans: list[dict], t0: float) -> 
 
 
 def write_trace(path: Path, events: list[dict]) -> None:
-    tmp = Path(str(path) + ".tmp")
+    tmp = _tmp_name(Path(path))
     tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     os.replace(tmp, path)

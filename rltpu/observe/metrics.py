@@ -9,6 +9,7 @@ update) and shows as ``-``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,8 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         self._fh.write(json.dumps(record) + "\n")  # the record first: the display can never lose it
+        self._fh.flush()
+        os.fsync(self._fh.fileno())  # like the ledger's commits: a step the checkpoint covers keeps its line
         self._done += 1
         try:
             if self._bar is not None:

@@ -1,0 +1,148 @@
+"""Interrupt corners (issue 34): metrics lines are fsynced like ledger commits; the watchdog thread
+and the main thread never share a temp name for health.json; no wait on the step or checkpoint path
+is unbounded (a hang with ``health.enabled=false`` ends in one line); the run's own Ray temp
+directory is removed at exit. In-process, plus one check on the suite's SIGTERM + resume run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_metrics_lines_are_fsynced(tmp_path, monkeypatch):
+    from rltpu.observe import metrics
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(metrics.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    w = metrics.MetricsWriter(tmp_path / "metrics.jsonl", 2, progress=False)
+    w.write({"step": 1, "reward_mean": 0.5})
+    assert synced and synced[-1] == w._fh.fileno()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1  # on disk, not in a buffer
+    w.close()
+
+
+def test_health_json_writers_in_two_threads_use_distinct_temp_names(tmp_path, monkeypatch):
+    from rltpu.observe import health
+
+    used: dict[int, set[str]] = {}
+    real = os.replace
+    lock = threading.Lock()
+
+    def replace(src, dst):
+        with lock:
+            used.setdefault(threading.get_ident(), set()).add(str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(health.os, "replace", replace)
+    go = threading.Barrier(2)
+
+    def writer(n):
+        go.wait()
+        for i in range(20):
+            health.write_health(tmp_path / "health.json", {"writer": n, "i": i, "pad": "x" * 10_000})
+            health.write_trace(tmp_path / "trace.json", [{"writer": n}])
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = used.values()
+    assert not a & b, f"both threads wrote through {a & b}"
+    assert json.loads((tmp_path / "health.json").read_text())["i"] == 19
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _unbounded_waits(path: Path) -> list[str]:
+    """``ray.get`` / ``ray.wait`` calls (on ``ray`` or ``self.ray``) without a ``timeout``."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "wait"):
+            owner = ast.unparse(node.func.value)
+            if owner in ("ray", "self.ray") and not any(k.arg == "timeout" for k in node.keywords):
+                bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return bad
+
+
+def test_no_unbounded_waits_on_the_step_and_checkpoint_paths():
+    bad = [b for f in ("rltpu/control/controller.py", "rltpu/control/checkpoints.py") for b in
+           _unbounded_waits(ROOT / f)]
+    assert not bad, bad
+
+
+def test_a_hung_checkpoint_save_ends_in_one_line_with_health_off(tmp_path):
+    """The trainers never answer and no watchdog fences them: the save still ends, naming the setting."""
+    import ray.exceptions
+
+    from rltpu.config import build_config
+    from rltpu.control.checkpoints import Checkpoints
+    from rltpu.observe.health import PhaseTimeout
+
+    class HungRay:
+        exceptions = ray.exceptions
+        waited: list = []
+
+        @classmethod
+        def get(cls, refs, timeout=None):
+            assert timeout is not None, "an unbounded ray.get would hang here forever"
+            cls.waited.append(timeout)
+            raise ray.exceptions.GetTimeoutError("hung")
+
+    class Trainer:
+        class save_checkpoint:  # noqa: N801 - mimics a Ray actor method
+            @staticmethod
+            def remote(path, meta):
+                return "ref"
+
+    cfg = build_config({"health": {"enabled": False, "deadlines": {"checkpointing": 5}, "heartbeat_timeout_s": 2}})
+    ck = Checkpoints(HungRay, type("G", (), {"trainers": [Trainer()]})(), cfg, tmp_path)
+    with pytest.raises(PhaseTimeout) as err:
+        ck.save(1, 1, {}, [])
+    assert "health.deadlines.checkpointing=5s" in str(err.value) and "\n" not in str(err.value)
+    assert HungRay.waited == [7.0]
+
+
+def test_the_runs_own_ray_temp_dir_is_removed_and_no_other(tmp_path):
+    import tempfile
+
+    from rltpu.config import build_config
+    from rltpu.control.controller import owned_ray_temp_dir, remove_ray_temp
+
+    ours = Path(tempfile.mkdtemp(prefix="rltpu-ray-", dir="/tmp"))
+    (ours / "session_latest" / "logs").mkdir(parents=True)
+    node = type("Node", (), {"get_temp_dir_path": lambda self: str(ours)})()
+    fake_ray = type("R", (), {"_private": type("P", (), {"worker": type("W", (), {"_global_node": node})})})
+    cfg = build_config({})
+    try:
+        assert owned_ray_temp_dir(fake_ray, cfg, "127.0.0.1:6379") is None  # a joined cluster's: not ours
+        assert owned_ray_temp_dir(fake_ray, build_config({"cluster": {"ray_temp_dir": str(ours)}}), None) is None
+        node.get_temp_dir_path = lambda: str(tmp_path)  # not a /tmp/rltpu-ray-* directory: never removed
+        assert owned_ray_temp_dir(fake_ray, cfg, None) is None
+        node.get_temp_dir_path = lambda: str(ours)
+        assert owned_ray_temp_dir(fake_ray, cfg, None) == ours
+        remove_ray_temp(ours)
+        assert not ours.exists()
+    finally:
+        remove_ray_temp(ours)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("quickstart")  # the suite's SIGTERM + resume session run (tests/conftest.py)
+def test_a_real_run_leaves_no_ray_temp_dir_and_ran_in_token_mode(sigterm_resumed_run):
+    from rltpu.chips.cluster import TOKEN_FILE, user_has_token
+
+    run = sigterm_resumed_run
+    assert run.resumed is not None and run.resumed.returncode == 0, run.stopped.text[-2000:]
+    temp = json.loads((run.run_dir / "placement.json").read_text())["ray_temp_dir"]
+    assert temp and Path(temp).name.startswith("rltpu-ray-") and not Path(temp).exists()
+    # the launch leaves RAY_AUTH_MODE unset, as a user's shell does: token mode, with the run's own token
+    token = run.run_dir / TOKEN_FILE
+    assert user_has_token() or (token.is_file() and token.stat().st_mode & 0o777 == 0o600)
