@@ -146,3 +146,47 @@ def test_a_real_run_leaves_no_ray_temp_dir_and_ran_in_token_mode(sigterm_resumed
     # the launch leaves RAY_AUTH_MODE unset, as a user's shell does: token mode, with the run's own token
     token = run.run_dir / TOKEN_FILE
     assert user_has_token() or (token.is_file() and token.stat().st_mode & 0o777 == 0o600)
+
+
+def test_a_signal_between_the_update_and_the_metrics_line_keeps_the_line(tmp_path, monkeypatch):
+    """Step 2's update lands, then SIGTERM arrives while its record is built (or at the next phase
+    change): the stop path's checkpoint says step 2 and metrics.jsonl gets step 2's line, once."""
+    import signal
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rltpu.config import build_config
+    from rltpu.control import controller as ctl_mod
+    from rltpu.control.interrupts import Interrupts
+    from rltpu.observe.metrics import read_metrics
+
+    sig = Interrupts()
+    monkeypatch.setattr(ctl_mod, "INTERRUPTS", sig)
+    saved = []
+    c = ctl_mod.Controller.__new__(ctl_mod.Controller)
+    c.cfg = build_config({"trainer": {"steps": 5}, "progress": False})
+    c.run_dir, c.staleness, c.evaluator, c.handle_signals, c.started = tmp_path, 0, None, True, True
+    c.step_idx, c.version, c.steps_run, c.interrupted_record, c.writer = 0, 0, 0, None, None
+    c.recent, c._data_before = deque(maxlen=5), None
+    c.data = SimpleNamespace(state_dict=lambda: {"pos": c.step_idx})
+    c.draws = SimpleNamespace(pending=[])
+    c.rewards = SimpleNamespace(begin_step=lambda k: None)
+    c.rollouts = SimpleNamespace(prompts_in_flight=lambda: [])
+    c.checkpoints = SimpleNamespace(save=lambda step, *a: saved.append(step))
+    c.supervisor = SimpleNamespace(phase="idle", set_phase=lambda name, step: None, maybe_write_trace=lambda: None)
+
+    def step():
+        c.step_idx += 1  # the update landed
+        def record():
+            if c.step_idx == 2:
+                sig.handler(signal.SIGTERM, None)  # deferred: raised as the record is kept
+            return {"step": c.step_idx, "reward_mean": 0.5}
+        return c._recorded(record)
+
+    c.step = step
+    with pytest.raises(KeyboardInterrupt):
+        c.run()
+    sig.acknowledge()
+    c.stop_on_interrupt()
+    assert saved == [2]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -516,7 +516,18 @@ class Controller:
                 print(f"rltpu: warning: no metrics line for interrupted step {self.step_idx} ({err})",
                       file=sys.stderr)
             raise
-        return self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe, StepTimes(t_step, sample_s, train_s))
+        return self._recorded(lambda: self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe,
+                                                   StepTimes(t_step, sample_s, train_s)))
+
+    def _recorded(self, make) -> dict:
+        """The landed step's record, built with signals deferred and kept in ``interrupted_record``
+        until the loop has written it: a signal between the update and the metrics line (here, at
+        the next phase change, during eval) leaves the line to the stop path, so the checkpoint of
+        step k and metrics.jsonl agree."""
+        with INTERRUPTS.deferred():
+            rec = make()
+            self.interrupted_record = rec
+        return rec
 
     def _wait_s(self, phase: str) -> float:
         """How long the driver waits on one call of ``phase``: its deadline plus the heartbeat timeout
@@ -675,12 +686,14 @@ class Controller:
             self.draws.pending = []
             self.rewards.begin_step(self.step_idx + 1)  # a redone step counts its reward failures afresh
             try:
-                rec = self.step()
+                rec = self.step()  # held in interrupted_record until written (_recorded)
                 self.phase = "idle"
                 rec = self._maybe_eval(rec, list(records))
-                records.append(rec)
-                self.steps_run += 1
-                self.writer.write(rec)
+                with INTERRUPTS.deferred():  # the line and "written" together
+                    records.append(rec)
+                    self.steps_run += 1
+                    self.writer.write(rec)
+                    self.interrupted_record = None
                 if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
                     self.phase = "checkpoint"
                     self.save_checkpoint()
@@ -688,6 +701,7 @@ class Controller:
             except (HealthError, KeyboardInterrupt):
                 raise
             except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
+                self.interrupted_record = None  # a rewind redoes the step; its line comes then
                 self.phase = "idle"
                 if self.staleness:  # async: every untrained rollout is redrawn after the recovery
                     data_before, step_before = self.rollouts.drop(self.data), self.step_idx
