@@ -81,10 +81,11 @@ class SamplerActor:
         with self.hb.phase("join_sync"):
             return self.rt.join_sync(*args)
 
-    def receive_weights(self, version: int, spec=None) -> dict:
+    def receive_weights(self, version: int, spec=None, positions: list[int] | None = None) -> dict:
         """Stage version ``version`` beside the live one; publish only after every sampler verified
         every bucket. On any failure the live version stays and the error propagates. ``spec``: what
-        this sync carries (default: the full spec from ``build``; LoRA's later syncs: the adapters)."""
+        this sync carries (default: the full spec from ``build``; LoRA's later syncs: the adapters).
+        ``positions``: each trainer rank's mesh position (``rltpu.sync.collective.send_shards``)."""
         from rltpu.models.spec import is_adapter
         from rltpu.sync.collective import count_zero_copy, device_put_params, receive_staged, torch_to_jax
 
@@ -93,7 +94,7 @@ class SamplerActor:
             try:
                 tensors, stats = receive_staged(self.rt.fabric, spec, version,
                                                 int(self.cfg.sync.bucket_mb * 2**20), self.cfg.sync.wire_dtype,
-                                                trainer_tp=self.cfg.placement.chips_per_trainer)
+                                                trainer_tp=self.cfg.placement.chips_per_trainer, positions=positions)
             except Exception:
                 self.rt.fabric.close()
                 raise

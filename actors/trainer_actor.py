@@ -25,6 +25,12 @@ class TrainerActor:
         with self.hb.phase("claim"):
             return self.rt.claim(chips, identity, emulated, launch_env)
 
+    def free_ports(self, n: int) -> list[int]:
+        """Ports free on this actor's host: TorchTPU's single-host slice-builder ports (``rltpu.chips.launch``)."""
+        from rltpu.chips.launch import free_ports
+
+        return free_ports(n)
+
     def rendezvous(self) -> tuple[str, int]:
         ip = self.rt.identity.get("node_ip", "127.0.0.1")
         return ip, free_port(ip)
@@ -64,8 +70,17 @@ class TrainerActor:
         with self.hb.phase("join_sync"):
             return self.rt.join_sync(*args)
 
-    def push_weights(self, spec, version: int) -> dict:
-        """Send this rank's own FSDP (x TP) shards (no all-gather); every trainer rank takes part."""
+    def mesh_position(self) -> int:
+        """This rank's flat position in the trainer mesh: the rows of each tensor it holds (and sends)."""
+        from learner.tp import mesh_position
+
+        return mesh_position(self.engine.mesh)[0]
+
+    def push_weights(self, spec, version: int, positions: list[int] | None = None) -> dict:
+        """Send this rank's own FSDP (x TP) shards (no all-gather); every trainer rank takes part.
+        ``positions``: every trainer rank's mesh position as the controller gathered them; on TorchTPU
+        they are a permutation of the ranks (``topology_aware_mesh``'s ring order), and receivers place
+        each stream by the position it carries."""
         from learner.tp import mesh_position
         from rltpu.sync.collective import HostStaging, WeightSyncError, local_shards, send_shards
 
@@ -74,13 +89,15 @@ class TrainerActor:
         with self.hb.phase("syncing"):
             try:
                 pos, tp_rank = mesh_position(self.engine.mesh)
-                if pos != self.rt.fabric.me:  # streams are numbered by trainer rank, shards by mesh position
-                    raise WeightSyncError(f"trainer {self.rt.fabric.me} holds the shards of mesh position {pos}: the "
-                                          f"mesh layout reordered the ranks, which weight sync does not support")
+                me = self.rt.fabric.me
+                expected = me if positions is None else positions[me]
+                if pos != expected:
+                    raise WeightSyncError(f"trainer {me} holds the shards of mesh position {pos} but the controller's "
+                                          f"map says {expected}; rebuild the map after the trainer group restarts")
                 shards = local_shards(self.engine.model, [n for n, _, _ in spec], self.engine.tp, tp_rank)
                 shards, staged = self.staging.stage(shards)  # TorchTPU shards -> host, one copy
                 return send_shards(self.rt.fabric, shards, spec, version, int(self.cfg.sync.bucket_mb * 2**20),
-                                   self.cfg.sync.wire_dtype, self.engine.tp) | {"staged_bytes": staged}
+                                   self.cfg.sync.wire_dtype, self.engine.tp, positions) | {"staged_bytes": staged}
             except Exception:
                 self.rt.fabric.close()  # this generation is spent; the controller builds the next
                 raise

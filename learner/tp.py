@@ -67,11 +67,17 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
 
 
 def mesh_position(mesh: DeviceMesh | None) -> tuple[int, int]:
-    """(this rank's flat position in the trainer mesh, its index in its TP group): the shards it holds.
-    Weight sync numbers streams by trainer rank and needs the two to agree."""
+    """(the FSDP x TP shard this rank holds, as a flat position dp * tp + t; its index in its TP group).
+
+    Read from the process groups of the mesh dims, not from ``mesh.get_coordinate()``: FSDP2 picks a
+    rank's chunk by its shard group's rank (``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``,
+    ``shard_mesh_rank = shard_process_group.rank()``) and ``new_group`` sorts its ranks
+    (``distributed_c10d.py``), so on a mesh whose layout is not rank order (TorchTPU's
+    ``topology_aware_mesh`` orders v5e/v6e chips as a ring) the coordinate names another rank's rows.
+    Weight sync places each stream by this position (``rltpu.sync.collective.send_shards``)."""
     if mesh is None:
         return 0, 0
-    where = mesh.get_coordinate()
     if mesh.ndim == 1:
-        return where[0], 0
-    return where[0] * mesh.size(1) + where[1], where[1]
+        return mesh.get_group().rank(), 0
+    d, t = mesh.get_group(0).rank(), mesh.get_group(1).rank()
+    return d * mesh.size(1) + t, t

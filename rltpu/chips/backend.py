@@ -61,18 +61,42 @@ def _import_torch_tpu():
     return torch_tpu
 
 
+def load_torch_tpu() -> None:
+    """Import TorchTPU and run its device-backend loader, as ``import torch`` would with autoload on.
+
+    rltpu's processes start with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` so that ``import torch`` does not
+    pull TorchTPU in before the launch env is set. TorchTPU 0.2.0 registers the ``tpu`` device and the
+    ``"tpu"``/``"tpu_dist"`` process-group backends only in its ``load()`` (``torch_tpu/_loader.py``
+    lines 379-403), which it calls at import only when that variable was ``"1"``: so it is called here,
+    through the ``torch.backends`` entry point the package declares for torch's own autoload
+    (``torch_tpu = torch_tpu._loader:load`` in its entry_points.txt). ``load()`` is idempotent.
+    """
+    from importlib.metadata import entry_points
+
+    _import_torch_tpu()
+    eps = [ep for ep in entry_points(group="torch.backends") if ep.name == "torch_tpu"]
+    if not eps:
+        raise ImportError("torch_tpu declares no torch.backends entry point (is torch-tpu 0.2.x installed?)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*TcMalloc.*")
+        eps[0].load()()
+
+
 def probe_torch_tpu() -> str | None:
-    """None when TorchTPU can open a device in this process, else what is missing (one phrase)."""
+    """None when TorchTPU can open a device in this process, else what is missing (one phrase).
+
+    Runs TorchTPU's loader (:func:`load_torch_tpu`), so the launch env must already be set: TorchTPU's
+    C++ side reads it once and memoizes it (``torch_tpu/_internal/env_utils.py``)."""
     if importlib.util.find_spec("torch_tpu") is None:
         return "the torch_tpu package is not installed (pip install 'rltpu[tpu]')"
     try:
-        _import_torch_tpu()
+        load_torch_tpu()
     except Exception as e:  # noqa: BLE001 - a broken install is reported, never bypassed
-        return f"import torch_tpu failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+        return f"loading torch_tpu failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
     acc = torch.accelerator.current_accelerator()
     if acc is None or acc.type != "tpu":
         return ("torch_tpu found no TPU device (torch.accelerator.current_accelerator() is "
-                f"{None if acc is None else acc.type!r}; is another process holding the chip?)")
+                f"{None if acc is None else acc.type!r}; is this a TPU VM, and is another process holding the chip?)")
     return None
 
 
@@ -81,7 +105,10 @@ def probe_jax_tpu() -> str | None:
 
     Opening the chip itself is left to the engine: with JAX_PLATFORMS=tpu a failure there raises
     instead of falling back to CPU (jax-ml/jax#10192)."""
-    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+    path = os.environ.get("TPU_LIBRARY_PATH")
+    if path:  # JAX only warns about a missing file and then loads the package's build instead
+        return None if os.path.isfile(path) else f"TPU_LIBRARY_PATH={path} is not a file"
+    if importlib.util.find_spec("libtpu") is None:
         return "the libtpu package is not installed, so JAX has no TPU runtime (pip install 'rltpu[tpu]')"
     return None
 
@@ -256,7 +283,9 @@ def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
     """Decide this process's backend from its claim, set env, threads and precision; return what was done.
 
     Runs before any engine exists. ``launch_env``: the TorchTPU launch variables the controller
-    computed for this trainer rank (``rltpu.chips.launch.launch_env_for_group``). ``jax_devices``:
+    computed for this trainer rank (``rltpu.chips.launch.launch_env_for_group``); on real chips they
+    must already be in the environment when TorchTPU loads (``ProcessRuntime.claim`` sets them before
+    :func:`decide`), which is checked here. ``jax_devices``:
     the chips a JAX engine in this process spans (a sampler's ``placement.chips_per_sampler``); on
     real chips libtpu shows exactly the claimed ones (``TPU_VISIBLE_CHIPS``), emulated ones become
     that many host devices.
@@ -266,7 +295,10 @@ def apply(cfg: BackendConfig, role: str = "tool", emulated: bool = True,
     env = jax_platform_env(decision)
     if not emulated:  # a real chip: never leave a stale JAX_PLATFORMS=cpu from anywhere
         os.environ.update(env)
-        os.environ.update(launch_env or {})
+        changed = sorted(k for k, v in (launch_env or {}).items() if os.environ.get(k) != v)
+        if changed:  # TorchTPU memoizes what it read at import: a late value would be silently ignored
+            raise ChipUnavailableError(f"{role}: launch env {changed} not set before torch_tpu was loaded; set it in "
+                                       f"rltpu.chips.runtime.ProcessRuntime.claim before backend.decide")
     elif not _jax_backend_started():
         for k, v in env.items():
             os.environ.setdefault(k, v)  # an actor's runtime_env may already have set it

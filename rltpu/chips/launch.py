@@ -14,6 +14,7 @@ process and compares.
 from __future__ import annotations
 
 import math
+import os
 import socket
 from collections import Counter
 import time
@@ -122,14 +123,41 @@ def _host_block(chip: Chip, origin: tuple[int, ...]) -> tuple[int, int, int]:
     return tuple(p // b for p, b in zip(pos, CHIPS_PER_HOST_BLOCK))  # type: ignore[return-value]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on this host right now (all held open until all are picked).
+
+    Run on the TPU host itself (a trainer actor's ``free_ports``), as TorchTPU's own launcher picks its
+    single-host slice-builder ports there with portpicker (``set_tpu_launch_env``,
+    ``torch_tpu/_internal/distributed/distributed.py`` ``pick_slicebuilder_addresses``), never on the
+    driver (on KubeRay: the head pod) where a free port says nothing about the TPU host."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def base_port(env: dict[str, str] | None = None) -> int:
+    """``TORCH_TPU_BASE_PORT`` (default 8070) as the driver's env gives it: the first multi-host
+    slice-builder port, as ``set_tpu_launch_env`` reads it (``distributed.py`` lines 408-410)."""
+    raw = (os.environ if env is None else env).get("TORCH_TPU_BASE_PORT", str(BASE_PORT))
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"TORCH_TPU_BASE_PORT={raw!r} is not a port number; unset it or set e.g. 8070") from None
+    if not 1024 <= port <= 65000:
+        raise ConfigError(f"TORCH_TPU_BASE_PORT={port} is outside 1024..65000; unset it or set e.g. 8070")
+    return port
 
 
 def launch_env_for_group(generation: str, group: list[list[Chip]], hostnames: dict[tuple[int, int], str] | None = None,
-                         session_id: str | None = None, pick_port: Callable[[], int] = _free_port) -> list[dict[str, str]]:
+                         session_id: str | None = None, pick_ports: Callable[[int], list[int]] = free_ports,
+                         first_port: int | None = None) -> list[dict[str, str]]:
     """The launch variables of each trainer rank (list index = trainer rank), as ``set_tpu_launch_env``
     would set them for this group, plus the per-rank ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``.
 
@@ -138,7 +166,9 @@ def launch_env_for_group(generation: str, group: list[list[Chip]], hostnames: di
     ``MASTER_ADDR``, ``MASTER_PORT``); ``NODE_RANK`` is its host's rank, hosts sorted by their block's
     coordinates Z-major, then Y, then X (as TorchTPU ranks hosts). ``hostnames`` maps (slice, host) to
     the address other hosts reach it at (a TPU VM's ``TPU_WORKER_HOSTNAMES`` entry); one host uses
-    ``localhost`` and ``pick_port`` free ports. Raises ConfigError when TorchTPU cannot run the group.
+    ``localhost`` and ports from ``pick_ports(n)``, which the controller runs on that host; several hosts
+    use ``first_port`` + local rank (default :func:`base_port`). Raises ConfigError when TorchTPU cannot
+    run the group.
     """
     if not group:
         raise ValueError("launch_env_for_group needs at least one trainer rank")
@@ -151,7 +181,10 @@ def launch_env_for_group(generation: str, group: list[list[Chip]], hostnames: di
     common = {"TORCH_TPU_XPROF_SESSION_ID": session, "TORCH_TPU_TOPOLOGY": group_topology(generation, group)}
     ranks = [chips[0] for chips in group]
     if len(hosts) == 1:
-        addrs = [f"localhost:{pick_port()}" for _ in ranks]
+        ports = list(pick_ports(len(ranks)))
+        if len(set(ports)) != len(ranks):
+            raise ValueError(f"launch_env_for_group: {len(ranks)} distinct ports needed, got {ports}")
+        addrs = [f"localhost:{p}" for p in ports]
         common["TORCH_TPU_SLICEBUILDER_ADDRESSES"] = ",".join(addrs)
         node_of = {hosts[0]: 0}
         order = sorted(range(len(ranks)), key=lambda r: ranks[r].index)
@@ -161,12 +194,13 @@ def launch_env_for_group(generation: str, group: list[list[Chip]], hostnames: di
         origin = tuple(min((c.coords[d] if d < len(c.coords) else 0) for c in ranks) for d in range(3))
         block = {h: _host_block(next(c for c in ranks if (c.slice, c.host) == h), origin) for h in hosts}
         by_rank = sorted(hosts, key=lambda h: block[h][::-1])  # Z-major, Y, X-minor
+        first = base_port() if first_port is None else first_port
         node_of = {h: i for i, h in enumerate(by_rank)}
         names = [hostnames[h] for h in by_rank]
         common |= {
             "TPU_WORKER_HOSTNAMES": ",".join(names),
             "TORCH_TPU_SLICEBUILDER_ADDRESSES": ",".join(
-                f"{n}:{BASE_PORT + i}" for n in names for i in range(chips_per_host)),
+                f"{n}:{first + i}" for n in names for i in range(chips_per_host)),
             "NNODES": str(len(hosts)), "MASTER_ADDR": names[0], "MASTER_PORT": MASTER_PORT,
         }
         order = sorted(range(len(ranks)), key=lambda r: (node_of[(ranks[r].slice, ranks[r].host)], ranks[r].index))

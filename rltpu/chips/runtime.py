@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,6 +35,49 @@ def ray_identity() -> dict:
         "env_tpu_visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
         "tpu_present": local_tpu_present(),  # False: this node's chips are emulated Ray resources
     }
+
+
+# libtpu's bounds and mesh-controller variables that a TorchTPU process must not inherit: TorchTPU sets
+# TPU_PROCESS_BOUNDS / TPU_HOST_BOUNDS to TORCH_TPU_TOPOLOGY and the per-chip bounds to 1,1,1 itself, and
+# TPU_PROCESS_PORT / TPU_PROCESS_ADDRESSES from TORCH_TPU_SLICEBUILDER_ADDRESSES (torch_tpu
+# ``common/environment.cc`` ``InitializeDistributedEnvironment``); Ray sets the bounds for 1-2 chip actors.
+STALE_FOR_TORCH_TPU = ("TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS",
+                       "TPU_HOST_BOUNDS", "TPU_MESH_CONTROLLER_ADDRESS", "TPU_MESH_CONTROLLER_PORT")
+
+
+def process_env(chips: list[Chip], generation: str, role: str, emulated: bool,
+                launch_env: dict | None = None) -> dict[str, str]:
+    """The env a chip-owning process sets before it imports JAX or TorchTPU.
+
+    Emulated chips, and real sampler chips (JAX): libtpu's per-process variables for exactly these
+    chips (``libtpu_env``); on real chips also ``TPU_LIBRARY_PATH`` of JAX's libtpu build.
+    Real trainer / reward chips (TorchTPU, one chip per process): the chip as both
+    ``TPU_VISIBLE_CHIPS`` and ``TPU_VISIBLE_DEVICES``, the launch env, and TorchTPU's libtpu build.
+    TorchTPU 0.2.0 makes ``TPU_VISIBLE_DEVICES`` its source of truth and otherwise falls back to
+    ``LOCAL_RANK`` (``common/environment.cc``, ``InitializeDistributedEnvironment`` and
+    ``InitializeSingleDeviceEnvironment``): without it a trainer with ``LOCAL_RANK=0`` on chip 4 would
+    open chip 0, a sampler's. Bounds and ports are TorchTPU's to derive from the launch env.
+    Raises ChipUnavailableError when no installed libtpu build fits the runtime.
+    """
+    from rltpu.chips import libtpu
+
+    if emulated or role == "sampler":
+        env = libtpu_env(chips, generation, mesh_port(chips))
+        if not emulated:
+            try:
+                env |= libtpu.runtime_env("jax")
+            except libtpu.LibtpuError as e:
+                raise backend.ChipUnavailableError(f"{role} claimed real TPU chips but {e}") from None
+        return env
+    if len(chips) != 1:
+        raise backend.ChipUnavailableError(f"{role}: TorchTPU runs one process per chip, this one holds "
+                                           f"{[c.index for c in chips]}; set placement.chips_per_{role}=1")
+    idx = str(chips[0].index)
+    try:
+        lib = libtpu.runtime_env("torch_tpu")
+    except libtpu.LibtpuError as e:
+        raise backend.ChipUnavailableError(f"{role} claimed real TPU chips but {e}") from None
+    return {"TPU_VISIBLE_CHIPS": idx, "TPU_VISIBLE_DEVICES": idx} | lib | dict(launch_env or {})
 
 
 def mesh_groups(n_trainers: int, tp: int, rank: int) -> tuple | None:
@@ -69,13 +113,24 @@ class ProcessRuntime:
     def claim(self, chips: list[Chip], identity: dict, emulated: bool, launch_env: dict | None = None) -> dict:
         """Take ownership of ``chips`` (handed by the controller from Ray's assignment) and decide the
         backend from the claim; a real chip this process cannot open raises ChipUnavailableError here,
-        before any engine or step. ``launch_env``: this trainer rank's TorchTPU launch variables."""
+        before any engine or step. ``launch_env``: this trainer rank's TorchTPU launch variables.
+
+        The process env is set first, then the backend decided (which on a real trainer chip imports
+        TorchTPU and runs its loader): TorchTPU reads its variables once, at load, as its own
+        launcher arranges by setting them in the parent before any worker imports it."""
         mine = sorted(c.index for c in chips)
         if identity.get("ray_tpu_ids") and mine != identity["ray_tpu_ids"]:
             raise RuntimeError(
                 f"{self.role} {self.rank}: handed chips {mine} but Ray assigned TPU ids {identity['ray_tpu_ids']}"
             )
-        env = libtpu_env(chips, self.generation, mesh_port(chips))
+        if not emulated and self.decision_role != "sampler" and "torch_tpu" in sys.modules:
+            raise backend.ChipUnavailableError(
+                f"{self.role} {self.rank}: torch_tpu was imported before the chip claim set its env; start the "
+                f"actor with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (rltpu.control.placement.actor_env) and import nothing "
+                f"that imports torch_tpu before claim")
+        env = process_env(chips, self.generation, self.decision_role, emulated, launch_env)
+        for k in STALE_FOR_TORCH_TPU if not emulated and env.get("TPU_VISIBLE_DEVICES") else ():
+            os.environ.pop(k, None)  # Ray's bounds for 1-2 chips: TorchTPU derives its own (process_env)
         os.environ.update(env)
         if emulated and hasattr(os, "sched_setaffinity"):
             # an emulated chip is a CPU core: pin each process to its own cores (XLA's CPU thread

@@ -1,10 +1,10 @@
 """TPU chips and their placement, as plain data.
 
 Everything here is pure Python (no Ray, no JAX, no torch) so the planner, the CLI's dry run and
-the tests can reason about chips without a cluster. Facts come from
-``/work/shared/context/tpu-hardware.md`` (Cloud TPU docs per generation, Ray's
-``python/ray/_private/accelerators/tpu.py``, xpk ``system_characteristics.py``, pytorch/xla
-PRs #4724 and #9586); each fact below names its source tag from that file.
+the tests can reason about chips without a cluster. Facts come from ``docs/tpu-hardware.md`` (Cloud
+TPU docs per generation, Ray's ``python/ray/_private/accelerators/tpu.py``, xpk
+``system_characteristics.py``, pytorch/xla PRs #4724 and #9586); each fact below names its source
+tag there. On a joined cluster the hosts are read from Ray's labels (``ChipTable.from_ray_nodes``).
 
 Layout conventions (ours, chosen to match Ray's host blocks; not checked on hardware):
 
@@ -49,7 +49,7 @@ class GenerationFacts:
     host_block: tuple[int, ...]  # chips per host in multi-host slices, as a block of the topology
 
 
-# Sources: [v4] [v5e] [v5p] [v6e] [7x] [TT] [XPK] [RAY] [PAL] in /work/shared/context/tpu-hardware.md.
+# Sources: [v4] [v5e] [v5p] [v6e] [7x] [TT] [XPK] [RAY] [PAL] in docs/tpu-hardware.md.
 # v5e/v6e: 1 TC/chip, type v5litepod-N / v6e-N with N = chips; 1x1, 2x2, 2x4 are single-host VMs
 #   (up to 8 chips), multi-host slices use 4-chip VMs (2x2 blocks) [v5e][v6e][XPK][RAY].
 # v4/v5p/7x: 2 TC/chip, type v4-N / v5p-N / tpu7x-N with N = TensorCores (2x2x1 = v4-8), 4 chips per
@@ -93,6 +93,31 @@ def local_tpu_present() -> bool:
     return False
 
 
+def _lay_out(dims: tuple[int, ...], block: tuple[int, ...], slices: int) -> list[Chip]:
+    """Chips of ``slices`` copies of a ``dims`` slice cut into hosts of ``block`` chips (dim 0 fastest)."""
+    nblocks = [d // b for d, b in zip(dims, block)]
+
+    def _linear(pos: tuple[int, ...], extent: list[int] | tuple[int, ...]) -> int:
+        out, stride = 0, 1
+        for p, e in zip(pos, extent):  # dim 0 varies fastest
+            out += p * stride
+            stride *= e
+        return out
+
+    chips: list[Chip] = []
+    for s in range(slices):
+        local = []
+        # product() varies the last dim fastest; reverse so dim 0 is fastest, then sort anyway
+        for rev in product(*(range(d) for d in reversed(dims))):
+            coords = tuple(reversed(rev))
+            host = _linear(tuple(c // b for c, b in zip(coords, block)), nblocks)
+            index = _linear(tuple(c % b for c, b in zip(coords, block)), block)
+            local.append((host, index, coords))
+        for host, index, coords in sorted(local):
+            chips.append(Chip(len(chips), s, host, index, coords))
+    return chips
+
+
 class ChipTable:
     """Every chip of the cluster, ordered by (slice, host, index); ``global_id`` is the position."""
 
@@ -131,29 +156,91 @@ class ChipTable:
                     f"{cluster.generation} hosts of {'x'.join(map(str, block))} chips, but its dims are not "
                     f"multiples of that block; use e.g. {'4x4' if len(dims) == 2 else '2x2x2'}"
                 )
-        nblocks = [d // b for d, b in zip(dims, block)]
+        return cls(cluster, _lay_out(dims, block, cluster.slices), bool(emulated))
 
-        def _linear(pos: tuple[int, ...], extent: list[int] | tuple[int, ...]) -> int:
-            out, stride = 0, 1
-            for p, e in zip(pos, extent):  # dim 0 varies fastest
-                out += p * stride
-                stride *= e
-            return out
+    @classmethod
+    def from_ray_nodes(cls, cluster: ClusterConfig, nodes: list[dict]) -> "ChipTable":
+        """The chip table of a running Ray cluster, read from what Ray says of each TPU node, not inferred.
 
-        chips: list[Chip] = []
-        for s in range(cluster.slices):
-            local = []
-            # product() varies the last dim fastest; reverse so dim 0 is fastest, then sort anyway
-            for rev in product(*(range(d) for d in reversed(dims))):
-                coords = tuple(reversed(rev))
-                host = _linear(tuple(c // b for c, b in zip(coords, block)), nblocks)
-                index = _linear(tuple(c % b for c, b in zip(coords, block)), block)
-                local.append((host, index, coords))
-            for host, index, coords in sorted(local):
-                chips.append(Chip(len(chips), s, host, index, coords))
-        return cls(cluster, chips, bool(emulated))
+        Ray's ``TPUAcceleratorManager`` (``ray/_private/accelerators/tpu.py``) gives every TPU VM the
+        ``TPU`` resource (chips on that host), the labels ``ray.io/tpu-slice-name``, ``ray.io/tpu-worker-id``,
+        ``ray.io/tpu-topology`` and ``ray.io/tpu-pod-type``, ``accelerator_type:TPU-<GEN>`` and, on worker 0,
+        ``TPU-<pod type>-head``. Hosts, chips per host and the slice shape come from those; the config's
+        ``cluster`` must agree with them (ConfigError naming the first disagreement). The first
+        ``cluster.slices`` slices in name order are used, as ``Placement`` does.
+        """
+        facts = GENERATION_FACTS[cluster.generation]
+        tpu = [n for n in nodes if n.get("Alive", True) and float(n.get("Resources", {}).get("TPU", 0)) > 0]
+        if not tpu:
+            raise ConfigError("the Ray cluster has no node with a TPU resource; is this a TPU VM / TPU node pool?")
+        by_slice: dict[str, dict[int, dict]] = {}
+        for n in tpu:
+            lb, res = n.get("Labels", {}) or {}, n.get("Resources", {})
+            where = f"Ray node {str(n.get('NodeID', '?'))[:12]} ({n.get('NodeManagerAddress', '?')})"
+            missing = [k for k in ("ray.io/tpu-slice-name", "ray.io/tpu-worker-id", "ray.io/tpu-topology",
+                                   "ray.io/tpu-pod-type") if k not in lb]
+            if missing:
+                raise ConfigError(f"{where} has {int(float(res['TPU']))} TPU chips but no {missing[0]} label; Ray sets "
+                                  f"it from TPU_NAME / TPU_WORKER_ID / TPU_TOPOLOGY / TPU_ACCELERATOR_TYPE (GKE) or the "
+                                  f"GCE metadata server: start Ray on the TPU VM itself, or set those variables")
+            if lb["ray.io/tpu-topology"] != cluster.topology:
+                raise ConfigError(f"{where} is in a {lb['ray.io/tpu-topology']} slice but cluster.topology="
+                                  f"{cluster.topology!r}; set cluster.topology={lb['ray.io/tpu-topology']}")
+            pod = lb["ray.io/tpu-pod-type"]
+            if not pod.split("-")[0] in (facts.type_prefix, "v" + facts.type_prefix[len("tpu"):]):
+                raise ConfigError(f"{where} is a {pod} but cluster.generation={cluster.generation!r}; set the "
+                                  f"generation of its pod type")
+            accel = f"accelerator_type:{facts.ray_accelerator_type}"
+            if accel not in res:
+                raise ConfigError(f"{where} lacks the {accel} resource Ray gives {cluster.generation} hosts")
+            wid = int(lb["ray.io/tpu-worker-id"])
+            hosts = by_slice.setdefault(lb["ray.io/tpu-slice-name"], {})
+            if wid in hosts:
+                raise ConfigError(f"two Ray nodes say they are worker {wid} of TPU slice {lb['ray.io/tpu-slice-name']}")
+            hosts[wid] = {"chips": int(float(res["TPU"])), "head": any(k.endswith("-head") and k.startswith("TPU-")
+                                                                        for k in res), "where": where}
+        if len(by_slice) < cluster.slices:
+            raise ConfigError(f"cluster.slices={cluster.slices} but the Ray cluster has {len(by_slice)} TPU slice(s) "
+                              f"({', '.join(sorted(by_slice))}); lower cluster.slices")
+        dims = tuple(int(d) for d in cluster.topology.split("x"))
+        total = math.prod(dims)
+        per_host = None
+        for name in sorted(by_slice)[: cluster.slices]:
+            hosts = by_slice[name]
+            counts = sorted({h["chips"] for h in hosts.values()})
+            if len(counts) != 1:
+                raise ConfigError(f"TPU slice {name}: hosts hold {counts} chips; every host of a slice holds the same")
+            if per_host is not None and counts[0] != per_host:
+                raise ConfigError(f"TPU slices hold {per_host} and {counts[0]} chips per host; use equal slices")
+            per_host = counts[0]
+            if sorted(hosts) != list(range(total // per_host)) or total % per_host:
+                raise ConfigError(f"TPU slice {name} ({cluster.topology}, {per_host} chips per host) should have "
+                                  f"workers 0..{total // per_host - 1}, Ray has workers {sorted(hosts)}")
+            if not hosts[0]["head"]:
+                raise ConfigError(f"TPU slice {name}: worker 0 lacks Ray's TPU-<pod type>-head resource")
+        if per_host == total:
+            block = dims
+        elif per_host == math.prod(facts.host_block) and all(d % b == 0 for d, b in zip(dims, facts.host_block)):
+            block = facts.host_block
+        else:
+            raise ConfigError(f"{cluster.generation} {cluster.topology} with {per_host} chips per host: rltpu lays out "
+                              f"hosts of {total} chips (one host) or {'x'.join(map(str, facts.host_block))} blocks only")
+        return cls(cluster, _lay_out(dims, block, cluster.slices), False)
 
     # -- queries ---------------------------------------------------------------------------------
+
+    def same_layout(self, other: "ChipTable") -> str:
+        """"" when both tables have the same hosts, chips and coordinates, else the first difference."""
+        if self.hosts() != other.hosts():
+            return f"hosts {self.hosts()} vs {other.hosts()}"
+        for h in self.hosts():
+            a = [(c.index, c.coords) for c in self.chips_on(*h)]
+            b = [(c.index, c.coords) for c in other.chips_on(*h)]
+            if a != b:
+                return f"host {h}: chips {a} vs {b}"
+        return ""
+
+
 
     @property
     def chips(self) -> list[Chip]:

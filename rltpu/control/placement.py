@@ -111,8 +111,19 @@ class Placement:
         import ray
 
         self.ray = ray
+        if self.cluster_info["mode"] == "joined" and not self.table.emulated:
+            self._check_hosts_from_ray()
         self.slice_names = self._slice_names()
         return ray
+
+    def _check_hosts_from_ray(self) -> None:
+        """A joined TPU cluster: the hosts the plan assumed from ``cluster.topology`` must be the hosts Ray
+        reports (labels and ``TPU`` resources of each node); one line naming the difference, else."""
+        real = ChipTable.from_ray_nodes(self.cfg.cluster, self.ray.nodes())
+        diff = self.table.same_layout(real)
+        if diff:
+            raise ConfigError(f"cluster.topology={self.cfg.cluster.topology} lays out hosts unlike the Ray cluster's "
+                              f"TPU nodes ({diff}); fix cluster.* to match the slice")
 
     def _slice_names(self) -> list[str] | None:
         """Slice index -> the ``ray.io/tpu-slice-name`` label of its nodes, or None if unlabelled.
@@ -244,7 +255,14 @@ class Placement:
 
         n_t = len(self.groups.trainers)
         hostnames = {(chips[0].slice, chips[0].host): ident["node_ip"] for chips, ident in zip(got[:n_t], idents[:n_t])}
-        return launch_env_for_group(self.cfg.cluster.generation, self.roles[Role.TRAINER], hostnames)
+        first = self.groups.trainers[0]
+
+        def on_the_tpu_host(n: int) -> list[int]:  # single host: ports free where the trainers run
+            return bounded_get(self.ray, first.free_ports.remote(n), "claim", self.cfg.health.deadlines,
+                               "trainer 0's free slice-builder ports")
+
+        return launch_env_for_group(self.cfg.cluster.generation, self.roles[Role.TRAINER], hostnames,
+                                    pick_ports=on_the_tpu_host)
 
     def _launch_arg(self, role: Role, rank: int) -> list:
         """The extra ``claim`` argument of a trainer on real chips (a replacement reuses its rank's)."""

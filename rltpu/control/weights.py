@@ -25,6 +25,7 @@ class WeightSync:
         self.timeout_s, self.colocated = timeout_s, colocated
         self.deadlines = deadlines
         self.store: tuple[str, int] | None = None  # trainer 0's TCPStore (host, port)
+        self.positions: list[int] | None = None  # each trainer rank's mesh position, read at the first push
         self.generation = 0
         self.sampler_versions: list[int] = []
         # LoRA: after a full sync only the adapters move; every new generation (start, a replaced
@@ -40,8 +41,10 @@ class WeightSync:
         return bounded_get(self.ray, refs, phase, self.deadlines, what)
 
     def forget_store(self) -> None:
-        """The store lived in trainer 0: after the trainer group restarts, rendezvous afresh."""
+        """The store lived in trainer 0: after the trainer group restarts, rendezvous afresh (and read
+        the new group's mesh positions again)."""
         self.store = None
+        self.positions = None
 
     def join(self) -> None:
         """Build the next weight-sync generation (standalone gloo groups on trainer 0's store, routed
@@ -54,6 +57,7 @@ class WeightSync:
         if self.colocated:  # weights pass in-process: no sync fabric to build
             return
         self.need_full = True
+        self.positions = None  # a replaced trainer group may lay out its mesh differently
         self.generation += 1
         t_sl = [chips[0].slice for chips in self.roles[Role.TRAINER]]
         s_sl = [chips[0].slice for chips in self.roles[Role.SAMPLER]]
@@ -68,8 +72,11 @@ class WeightSync:
             return self._publish_local(version, t0)
         g = self.groups
         spec = self.spec if self.need_full or not self.adapters else self.adapters
-        refs = [t.push_weights.remote(spec, version) for t in g.trainers]
-        refs += [s.receive_weights.remote(version, spec) for s in g.samplers]
+        if self.positions is None:  # the trainer mesh's rank layout: TorchTPU's is not rank order
+            self.positions = self._get([t.mesh_position.remote() for t in g.trainers], "syncing",
+                                       "the trainers' mesh positions")
+        refs = [t.push_weights.remote(spec, version, self.positions) for t in g.trainers]
+        refs += [s.receive_weights.remote(version, spec, self.positions) for s in g.samplers]
         try:
             out = self.ray.get(refs)
         except Exception as e:

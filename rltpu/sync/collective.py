@@ -199,10 +199,27 @@ def plan_stream(spec: ParamSpec, n_trainers: int, rank: int, bucket_bytes: int, 
     return msgs
 
 
-def layout_digest(spec: ParamSpec, n_trainers: int, bucket_bytes: int, wire: str, tp: int = 1) -> int:
+def identity_positions(positions: list[int] | None, n_trainers: int) -> list[int]:
+    """Each stream's mesh position (stream r = trainer rank r); None: rank r sits at position r.
+    Raises WeightSyncError unless it is a permutation of the trainer ranks."""
+    if positions is None:
+        return list(range(n_trainers))
+    positions = [int(p) for p in positions]
+    if sorted(positions) != list(range(n_trainers)):
+        raise WeightSyncError(f"trainer mesh positions {positions} are not a permutation of the {n_trainers} trainer "
+                              f"ranks; every rank must hold one mesh position")
+    return positions
+
+
+def layout_digest(spec: ParamSpec, n_trainers: int, bucket_bytes: int, wire: str, tp: int = 1,
+                  positions: list[int] | None = None) -> int:
     """What every participant must agree on besides the version (names, shapes, dtypes, plan inputs,
-    and the trainers' (dp, tp) mesh: which rows each stream carries depends on it)."""
+    the trainers' (dp, tp) mesh and each rank's position in it: which rows each stream carries
+    depends on them)."""
     mesh = (n_trainers, bucket_bytes) if tp == 1 else (n_trainers, bucket_bytes, n_trainers // tp, tp)
+    pos = identity_positions(positions, n_trainers)
+    if pos != list(range(n_trainers)):
+        mesh = (*mesh, *pos)
     return spec_digest([("__plan__", mesh, wire), *spec])
 
 
@@ -411,16 +428,22 @@ def decode_details(raw: bytes) -> tuple:
         return None
 
 
-def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str, tp: int = 1) -> None:
+def handshake(fabric: SyncFabric, version: int, spec: ParamSpec, bucket_bytes: int, wire: str, tp: int = 1,
+              positions: list[int] | None = None) -> None:
     """Everyone agrees on (version, layout) or everyone raises the same one-line error. ``tp``: the
-    trainers' tensor-parallel degree as this participant knows it (a trainer: its mesh)."""
+    trainers' tensor-parallel degree as this participant knows it (a trainer: its mesh);
+    ``positions``: each trainer rank's mesh position as this participant knows it."""
     route = fabric.route
-    mine = torch.tensor([version, layout_digest(spec, route.n_trainers, bucket_bytes, wire, tp)], dtype=torch.int64)
+    mine = torch.tensor([version, layout_digest(spec, route.n_trainers, bucket_bytes, wire, tp, positions)],
+                        dtype=torch.int64)
     got = [tuple(int(x) for x in t) for t in fabric.allgather(mine, "the handshake")]
     if all(g == got[0] for g in got):
         return
     # JSON, never pickle: these bytes come from peers over an unauthenticated store
     trainers = route.n_trainers if tp == 1 else f"{route.n_trainers} as dp {route.n_trainers // tp} x tp {tp}"
+    pos = identity_positions(positions, route.n_trainers)
+    if pos != list(range(route.n_trainers)):
+        trainers = f"{trainers} at mesh positions {pos}"
     detail = json.dumps([version, trainers, bucket_bytes, wire,
                          [[n, list(s), str(d)] for n, s, d in spec]]).encode()
     n = torch.tensor([len(detail)], dtype=torch.int64)
@@ -482,9 +505,12 @@ def _buffer(bufs: list, i: int, nbytes: int) -> torch.Tensor:
 
 
 def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: ParamSpec, version: int,
-                bucket_bytes: int, wire: str = "auto", tp: int = 1) -> dict:
+                bucket_bytes: int, wire: str = "auto", tp: int = 1, positions: list[int] | None = None) -> dict:
     """Run on every trainer rank (sync rank ``r``): handshake, stream ``r``, its checksums, the verdict.
-    ``shards``: ``local_shards`` of the same ``tp`` (the rows ``trainer_rows`` names).
+    ``shards``: ``local_shards`` of the same ``tp`` (the rows ``trainer_rows`` names for this rank's
+    mesh position). ``positions[r]``: trainer rank r's position in the trainer mesh, which need not
+    be r (TorchTPU's ``topology_aware_mesh`` orders v5e/v6e chips as a ring): stream r carries the
+    rows of position ``positions[r]`` and receivers place them by position, not by rank.
 
     At most two messages are in flight; packed buckets alternate between two buffers, so the
     next bucket is packed while the previous one is on the wire. Direct chunks go from the shard's
@@ -492,17 +518,19 @@ def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: Param
     """
     t0 = time.perf_counter()
     route, r = fabric.route, fabric.me
-    handshake(fabric, version, spec, bucket_bytes, wire, tp)
-    plan = plan_stream(spec, route.n_trainers, r, bucket_bytes, wire, tp)
+    handshake(fabric, version, spec, bucket_bytes, wire, tp, positions)
+    pos = identity_positions(positions, route.n_trainers)[r]
+    plan = plan_stream(spec, route.n_trainers, pos, bucket_bytes, wire, tp)
     base, flat = {}, {}
     for name, shape, _dtype in spec:  # element offset of this rank's shard in the full tensor
         d0 = shape[0] if len(shape) else 1
         row = _numel(shape[1:]) if len(shape) else 1
-        r0, r1 = trainer_rows(name, d0, route.n_trainers, r, tp)
+        r0, r1 = trainer_rows(name, d0, route.n_trainers, pos, tp)
         t = shards[name]
         if t.numel() != (r1 - r0) * row:
             raise WeightSyncError(
-                f"weight sync v{version}: trainer {r}'s shard of {name!r} has {t.numel()} elements, expected rows "
+                f"weight sync v{version}: trainer {r}'s shard of {name!r} (mesh position {pos}) has {t.numel()} "
+                f"elements, expected rows "
                 f"[{r0}, {r1}) of {tuple(shape)} ({'FSDP2 Shard(0)' if tp == 1 else f'FSDP x TP, tp={tp}'}); the "
                 f"trainer is not sharded as the plan assumes")
         base[name], flat[name] = r0 * row, t.detach().reshape(-1)
@@ -544,26 +572,29 @@ def send_shards(fabric: SyncFabric, shards: dict[str, torch.Tensor], spec: Param
 
 
 def receive_staged(fabric: SyncFabric, spec: ParamSpec, version: int, bucket_bytes: int, wire: str = "auto",
-                   on_message=None, trainer_tp: int = 1) -> tuple[dict[str, torch.Tensor], dict]:
+                   on_message=None, trainer_tp: int = 1,
+                   positions: list[int] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Run on every sampler: receive all streams into a fresh staging arena (the live version is
     untouched), forward as relay, verify checksums, agree on the verdict. Returns the new full
     tensors (views of the arena, 64-byte aligned) only when every sampler verified every message.
 
     ``on_message(stream, k)`` runs after each received message (tests use it to die mid-sync).
     ``trainer_tp``: the trainers' tensor-parallel degree (``placement.chips_per_trainer``); which rows
-    each stream carries depends on it, and the handshake refuses a disagreement.
+    each stream carries depends on it, and the handshake refuses a disagreement. ``positions``: each
+    trainer rank's mesh position (``send_shards``); stream r is placed as position ``positions[r]``.
     """
     t0 = time.perf_counter()
     route, me = fabric.route, fabric.me
     M = route.n_trainers
-    handshake(fabric, version, spec, bucket_bytes, wire, trainer_tp)
+    handshake(fabric, version, spec, bucket_bytes, wire, trainer_tp, positions)
+    pos = identity_positions(positions, M)
     offs, total = staging_layout(spec)
     arena = torch.empty(total, dtype=torch.uint8)
     dest = {n: arena[offs[n]: offs[n] + _numel(s) * _DTYPES[d].itemsize].view(_DTYPES[d]) for n, s, d in spec}
     inbound = []  # (stream, pg, group, plan, two packed buffers)
     for r in range(M):
         g = route.recv_from.get((me, r))
-        plan = plan_stream(spec, M, r, bucket_bytes, wire, trainer_tp)
+        plan = plan_stream(spec, M, pos[r], bucket_bytes, wire, trainer_tp)
         if g is None or not plan:
             continue
         inbound.append((r, fabric.pg(g), g, plan, [None, None]))
