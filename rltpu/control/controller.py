@@ -75,6 +75,32 @@ def owned_ray_temp_dir(ray, cfg: RunConfig, address: str | None) -> Path | None:
     return path if path.name.startswith("rltpu-ray-") and path.parent == Path("/tmp") else None
 
 
+def control_plane_dead(ray, grace_s: float = 0.0) -> bool:
+    """True when a process of the embedded Ray this driver started (GCS, raylet, monitor, dashboard,
+    log monitor) has exited (within ``grace_s``: they may be exiting on the same signal as the
+    driver). Measured after ``kill -TERM -- -PGID``: the log monitor and dashboard exit at once while
+    the GCS lingers half shut down, and every call to it then waits 60 s. A joined cluster's
+    processes are not ours to watch: False."""
+    deadline = time.time() + grace_s
+    while True:
+        try:
+            procs = ray._private.worker._global_node.all_processes
+            dead = any(info.process.poll() is not None for infos in procs.values() for info in infos)
+        except Exception:  # noqa: BLE001 - not started here, or Ray internals moved: the normal shutdown
+            return False
+        if dead or time.time() >= deadline:
+            return dead
+        time.sleep(0.1)
+
+
+def kill_local_ray(ray) -> None:
+    """SIGKILL what is left of this driver's embedded Ray (its workers fate-share with the raylet)."""
+    try:
+        ray._private.worker._global_node.kill_all_processes(check_alive=False, allow_graceful=False)
+    except Exception:  # noqa: BLE001 - best effort: the process is about to exit
+        pass
+
+
 def remove_ray_temp(path: Path | None) -> None:
     """After ``ray.shutdown``: the run's Ray session files (logs, sockets, spilled objects) go, so
     runs do not pile up ``/tmp/rltpu-ray-*``. Best effort: a straggling Ray process may still write."""
@@ -808,7 +834,15 @@ class Controller:
             self.rewards.shutdown()
         if self.envs is not None:
             self.envs.shutdown()
-        self.placement.shutdown()
+        if self.ray is not None and control_plane_dead(self.ray, grace_s=1.0 if state == "stopped" else 0.0):
+            # a signal to the whole process group (timeout, a scheduler's cancel, kill -- -PGID) stops the
+            # embedded GCS and raylet too: every call placement.shutdown makes would then wait Ray's 60 s
+            # for them and end the driver with exit 1. The checkpoint is written: stop what is left here.
+            print("rltpu: Ray's own processes were stopped too (a signal to the whole process group?); not "
+                  "waiting for them", file=sys.stderr, flush=True)
+            kill_local_ray(self.ray)
+        else:
+            self.placement.shutdown()
         remove_ray_temp(self._ray_temp)
 
 
