@@ -30,9 +30,13 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 COPY --chown=ray:users . /home/ray/rltpu
 RUN pip install --no-cache-dir '.[tpu,hf,data]'
 
-# libtpu for JAX samplers: see docs/tpu.md
+# libtpu for JAX samplers: see docs/tpu.md ("Two libtpu builds"). JAX's build goes beside the package one,
+# in <prefix>/libtpu-jax, where rltpu.chips.libtpu finds it; the pin is read from jax's own metadata.
+RUN pip install --no-cache-dir --no-deps --target /home/ray/anaconda3/libtpu-jax \
+      "libtpu$(python -c 'from rltpu.chips.libtpu import requirement; print(requirement("jax"))')"
 
 # Fail the build, not the first run, when the image lacks a piece: rltpu and its actor packages import,
 # the CLI starts, and torch_tpu imports (it finds no TPU device here, which is expected at build time).
 RUN python -c "import rltpu, actors, learner, jax, torch, torch_tpu, ray; assert ray.__version__ == '2.60.0'" \
+ && python -c "from rltpu.chips.libtpu import select; select('jax'); select('torch_tpu')" \
  && rltpu --help > /dev/null

@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test browser bench bench-sampler clean
+.PHONY: setup tpu-libtpu demo test browser bench bench-sampler clean
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,hf,data,loggers,tpu]'
+	$(MAKE) tpu-libtpu
 	touch $@
+
+# JAX (samplers) and TorchTPU (trainers) pin different libtpu builds (rltpu/chips/libtpu.py): the project's
+# venv holds TorchTPU's; JAX's goes beside it, in $(VENV)/libtpu-jax, with the pin read from jax's own metadata.
+# Each actor on a real chip gets TPU_LIBRARY_PATH of its runtime's build (`rltpu doctor` shows both).
+tpu-libtpu:
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/libtpu-jax \
+	  "libtpu$$($(PY) -c 'from rltpu.chips.libtpu import requirement; print(requirement("jax"))')"
 
 demo: setup
 	$(VENV)/bin/rltpu train configs/quickstart.yaml --new-run

@@ -6,6 +6,7 @@
     rltpu plan configs/quickstart.yaml [key=value ...] [--hardware cpu] [--out DIR] [--against RUN_DIR]
     rltpu status [RUN_DIR]                           # actor table from health.json; exit 1 when unhealthy
     rltpu dashboard [RUN_DIR] [--port 8266]          # live page on 127.0.0.1, Prometheus text at /metrics
+    rltpu doctor [CONFIG] [--address HOST:PORT]      # preflight: Ray, chips, TorchTPU, JAX, libtpu, ports, run dir
 
 User errors (config, placement) print one line and exit with code 2, with no traceback. SIGTERM
 stops a run like Ctrl-C (checkpoint of the last landed step, exit 143), and so does SIGHUP from a
@@ -56,10 +57,14 @@ def preflight_real_chips(cfg, address: str | None) -> None:
     check_real_placement(cfg.cluster.generation, trainer_processes(roles[Role.TRAINER]), table.chips_per_host,
                          cfg.placement.mode)
     if not address:
-        from rltpu.chips.backend import decide
+        from rltpu.chips.backend import ChipUnavailableError, decide
+        from rltpu.chips.doctor import child_env, probe_trainer_chip
 
-        for role in ("trainer", "sampler"):
-            decide(role, False, cfg.backend)
+        child_env(cfg, "sampler", False, strict=True)  # JAX's libtpu build is installed (rltpu.chips.libtpu)
+        decide("sampler", False, cfg.backend)
+        missing = probe_trainer_chip(cfg)  # in a child: the driver must not load TorchTPU itself
+        if missing:
+            raise ChipUnavailableError(f"trainer claimed real TPU chips but {missing}")
 
 
 def _exit_now(code: int) -> None:
@@ -202,6 +207,20 @@ def _train(args, interrupts) -> int:
               file=sys.stderr, flush=True)
         return interrupts.late_exit_code()
     return 0
+
+
+def cmd_doctor(args) -> int:
+    """One line per preflight check (rltpu.chips.doctor); exit 0 when all pass, 1 when one fails."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return _fail(str(e))
+    from rltpu.chips.doctor import run
+
+    checks = run(cfg, args.address)
+    for c in checks:
+        print(c.line(), flush=True)
+    return 0 if all(c.ok for c in checks) else 1
 
 
 def cmd_plan(args) -> int:
@@ -383,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--port", type=int, default=8266, help="port (0: any free one)")
     q.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (no authentication)")
     q.set_defaults(func=cmd_dashboard, overrides=[])
+    q = sub.add_parser("doctor", help="preflight on a TPU VM or cluster: Ray, chips, TorchTPU, JAX, libtpu, ports")
+    q.add_argument("config", nargs="?", default="configs/quickstart.yaml", help="the config the job will run")
+    q.add_argument("overrides", nargs="*", help="key=value config overrides")
+    q.add_argument("--address", default=None, help="a running Ray cluster (default: an embedded one, as train)")
+    q.set_defaults(func=cmd_doctor)
     # overrides may come before or after flags (argparse alone stops collecting them at a flag)
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

@@ -257,3 +257,79 @@ def test_ray_labels_that_disagree_with_the_config_are_one_line(monkeypatch):
     del nodes[2]  # a host missing from the slice
     with pytest.raises(ConfigError, match=r"workers 0..3, Ray has workers \[0, 1, 3\]"):
         ChipTable.from_ray_nodes(ClusterConfig(generation="v6e", topology="4x4"), nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) + (c): a trainer process with the env Placement gives it reaches torch_tpu's load(), after its launch env
+
+_TRAINER_CHILD = r"""
+import importlib.abc, json, os, sys
+seen = {}
+
+class Watch(importlib.abc.MetaPathFinder):  # the env at the moment torch_tpu is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch_tpu" and "env" not in seen:
+            seen["env"] = dict(os.environ)
+        return None
+
+sys.meta_path.insert(0, Watch())
+called = []
+def prof(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "load" and frame.f_code.co_filename.endswith("torch_tpu/_loader.py"):
+        called.append(dict(os.environ))
+sys.setprofile(prof)
+from actors.trainer_actor import TrainerActor
+from rltpu.chips.topology import Chip
+args = json.loads(sys.argv[1])
+actor = TrainerActor(args["rank"], args["cfg"])
+imported_early = "torch_tpu" in sys.modules
+chip = Chip(*args["chip"][:4], tuple(args["chip"][4]))
+try:
+    actor.claim([chip], {"ray_tpu_ids": [chip.index]}, False, args["launch_env"])
+    err = None
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"
+sys.setprofile(None)
+keys = [k for k in seen.get("env", {}) if k.startswith(("TPU_", "TORCH_TPU_", "RANK", "LOCAL_", "WORLD_", "NODE_RANK"))]
+print("RESULT=" + json.dumps({"err": err, "imported_early": imported_early, "load_called": len(called),
+                              "env_at_import": {k: seen["env"][k] for k in keys} if "env" in seen else None,
+                              "autoload_at_import": seen.get("env", {}).get("TORCH_DEVICE_BACKEND_AUTOLOAD")}))
+"""
+
+
+def test_trainer_with_placements_env_loads_torch_tpu_after_its_launch_env():
+    """A trainer actor's process, started with ``actor_env`` (what ``Placement`` passes Ray's runtime_env),
+    claims chip 5 of a v6e-8 host as rank 1 of a 4-chip sub-slice on chips 4-7. torch_tpu is first
+    imported inside the claim, with the launch env ``launch_env_for_group`` computed (the one
+    ``tests/test_launch.py`` compares with ``set_tpu_launch_env``) already set, the chip named in both
+    TPU_VISIBLE_CHIPS and TPU_VISIBLE_DEVICES (TorchTPU's source of truth: LOCAL_RANK=1 would otherwise
+    open chip 1) and TorchTPU's libtpu build; its ``load()`` runs, finds no device here, and the claim
+    fails in one line instead of falling back to CPU."""
+    from rltpu.chips import libtpu
+    from rltpu.chips.launch import launch_env_for_group
+    from rltpu.config import RunConfig
+    from rltpu.control.placement import actor_env
+
+    cfg = RunConfig.model_validate({"cluster": {"generation": "v6e", "topology": "2x4", "emulated": False},
+                                    "placement": {"sampler_chips": 4, "trainer_chips": 4}})
+    table = ChipTable.build(cfg.cluster, emulated=False)
+    group = [[c] for c in table.chips[4:]]
+    envs = launch_env_for_group("v6e", group, session_id="5", pick_ports=lambda n: list(range(9100, 9100 + n)))
+    chip = group[1][0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "TORCH_TPU_", "JAX_PLATFORMS"))}
+    env |= actor_env(cfg) | {"PYTHONWARNINGS": "ignore:<TorchTpu/Performance/TcMalloc/", "PYTHONPATH": str(ROOT)}
+    arg = {"rank": 1, "cfg": cfg.to_dict(), "launch_env": envs[1],
+           "chip": [chip.global_id, chip.slice, chip.host, chip.index, list(chip.coords)]}
+    res = subprocess.run([sys.executable, "-c", _TRAINER_CHILD, json.dumps(arg)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
+    assert line, res.stderr[-3000:]
+    out = json.loads(line[-1][len("RESULT="):])
+    assert out["imported_early"] is False and out["autoload_at_import"] == "0"
+    assert out["load_called"] >= 1, "torch_tpu's load() never ran: the tpu device would never be registered"
+    at_import = out["env_at_import"]
+    assert {k: at_import.get(k) for k in envs[1]} == envs[1]  # the whole launch env, before the first import
+    assert envs[1]["LOCAL_RANK"] == "1" and at_import["TPU_VISIBLE_CHIPS"] == at_import["TPU_VISIBLE_DEVICES"] == "5"
+    assert at_import["TPU_LIBRARY_PATH"] == libtpu.select("torch_tpu").path
+    assert not any(k in at_import for k in ("TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS")), at_import
+    assert out["err"] and "ChipUnavailableError" in out["err"] and "torch_tpu found no TPU device" in out["err"]
