@@ -29,8 +29,11 @@ there; its contents are never read unmasked.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -85,13 +88,18 @@ class ContinuousSampler:
                              f"generated pages of {self.ps} tokens); raise sampler.kv_pages or set it to 0 (auto)")
         self.views = tuple(sorted({max(1, self.MG >> i) for i in range(4)}))  # generated pages a chunk reads
         # slots a chunk computes: the smallest of these that holds the busy rows (the batch buckets
-        # below S, and S), so a small request or the tail of a large one pays for its own rows only
-        self.slot_buckets = tuple(sorted({b for b in cfg.batch_buckets if b < self.S} | {self.S}))
+        # below S, the powers of two between the smallest of them and S, and S), so a small request
+        # or the tail of a large one pays for about its own rows only
+        lo = min(min(cfg.batch_buckets), self.S)
+        self.slot_buckets = tuple(sorted({b for b in cfg.batch_buckets if b < self.S} | {self.S}
+                                         | {1 << k for k in range(lo.bit_length(), self.S.bit_length())
+                                            if lo < 1 << k < self.S}))
         self.NW = math.ceil((self.ps - 1 + self.C) / self.ps)  # pages one chunk's new tokens can span
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
         self.stop = tuple(e.stop_ids)
         self._compiled: dict = {}
+        self._compile_lock = threading.Lock()
         self._state = None
         self.totals = dict(calls=0, prefill_tokens=0, prefill_flops=0.0, decode_steps=0, slot_steps=0,
                            busy_slot_steps=0, useful_tokens=0, preemptions=0)
@@ -209,9 +217,17 @@ class ContinuousSampler:
             start = (zero, zero, i, zero)
             rk[li] = lax.dynamic_update_slice(rk[li], jnp.swapaxes(k, 1, 2).astype(rk[li].dtype), start)
             rv[li] = lax.dynamic_update_slice(rv[li], jnp.swapaxes(v, 1, 2).astype(rv[li].dtype), start)
-            keys = jnp.concatenate([hk[li], rk[li]], axis=2).astype(x.dtype)  # (s, kv, Wtok + C, hd)
-            vals = jnp.concatenate([hv[li], rv[li]], axis=2).astype(x.dtype)
-            att = jax_llama._attend_one(q, keys, vals, masks[mcfg.layer_window(li)][:, 0])
+            # scores against the history and the recent keys separately (a concatenation would copy
+            # the history every step), one softmax over both
+            qg = q.reshape(s, nkv, nh // nkv, hd).astype(_F32)
+            sh = jnp.einsum("bgrd,bgsd->bgrs", qg, hk[li].astype(_F32))
+            sr = jnp.einsum("bgrd,bgsd->bgrs", qg, rk[li].astype(_F32))
+            scores = jnp.concatenate([sh, sr], axis=-1) * hd**-0.5  # (s, kv, rep, Wtok + C)
+            scores = jnp.where(masks[mcfg.layer_window(li)][:, :, None, :], scores, jnp.finfo(_F32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+            wt = sh.shape[-1]
+            att = (jnp.einsum("bgrs,bgsd->bgrd", probs[..., :wt], hv[li].astype(x.dtype))
+                   + jnp.einsum("bgrs,bgsd->bgrd", probs[..., wt:], rv[li].astype(x.dtype))).reshape(s, 1, nh * hd)
             x = x + jax_llama._out_proj(params, mcfg, li, att)
             x = jax_llama._mlp_block(params, mcfg, li, x)
         return jax_llama._logits(params, mcfg, x)[:, 0], tuple(rk), tuple(rv)
@@ -309,8 +325,10 @@ class ContinuousSampler:
             r, sh = e._replicated, self._state_shardings()
             ins = (e.param_shardings, sh) + tuple(jax.tree.map(lambda _: r, a) for a in args[2:])
             jitted = jax.jit(fn, donate_argnums=(1,), in_shardings=ins, out_shardings=sh)
-        self._compiled[cell] = jitted.lower(*args).compile()
-        e._compile_done(log, t0, hits0)
+        compiled = jitted.lower(*args).compile()
+        with self._compile_lock:
+            self._compiled[cell] = compiled
+            e._compile_done(log, t0, hits0)
 
     def _prefill_args(self, n: int, L: int):
         i32 = jnp.int32
@@ -348,7 +366,14 @@ class ContinuousSampler:
                           self._chunk_args(n, w))
 
     def precompile(self) -> None:
-        for cell in self.cells():
+        """Build every cell, two at a time: XLA compiles with the GIL released, single-threaded,
+        so a second core halves the wait (the grid has one decode program per slot bucket x view)."""
+        todo = [cell for cell in self.cells() if cell not in self._compiled]
+        workers = min(2, os.cpu_count() or 1, len(todo))
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(self.ensure, todo))
+        for cell in todo:
             self.ensure(cell)
         if self._state is None:
             self._state = self._init_state()
