@@ -302,3 +302,36 @@ def test_tensor_parallel_engine_gives_the_unsharded_tokens():
         assert np.abs(np.array(res[k]["logprobs"]) - np.array(one["logprobs"])).max() <= 1e-5, k
         assert res[k]["compiles_after_precompile"] == 0 and res[k]["programs"] == one["programs"]
         assert res[k]["pool_shard_shapes"] == [[pages, 1, ps, hd]], k
+
+
+def test_static_and_continuous_draw_the_same_rows_at_temperature_1():
+    """Both engines key row r's token t by (seed, r, t): the same request gives the same rows on
+    either (issue 30), so the engine can pick one per request without changing what is sampled."""
+    cont = _ready(_cfg(temperature=1.0)).generate(PROMPTS, 2, seed=11)
+    ref = _static(PROMPTS, 2, 11, 1.0)  # 4-row static calls: rows 0..3 of each call, seeds per call
+    one = _ready(SamplerConfig(group_size=2, temperature=1.0, max_new_tokens=T, batch_buckets=(12,),
+                               prompt_buckets=(8,), engine="static")).generate(PROMPTS, 2, seed=11)
+    np.testing.assert_array_equal(cont["tokens"], one["tokens"])
+    np.testing.assert_array_equal(cont["lengths"], one["lengths"])
+    assert np.abs(cont["logprobs"] - one["logprobs"]).max() <= 1e-5
+    assert not np.array_equal(ref["tokens"], one["tokens"])  # rows are keyed by their index in the call
+
+
+def test_a_request_with_no_reachable_stop_token_runs_as_one_static_program():
+    """Stop ids outside the vocabulary: every row runs max_new_tokens, so the continuous engine
+    hands the request to the static program (precompiled with its grid): same rows, no compile."""
+    from test_sampler import _shapes
+    from rltpu.sampling.engine import SamplerEngine
+
+    cfg = _cfg(temperature=1.0, batch_buckets=(4, 12), slots=4)
+    eng = SamplerEngine(MCFG, cfg, V, PAD, V, _shapes(_state()))  # EOS id = V: never sampled
+    eng.set_params(jax_llama.params_from_torch(_state()), 0)
+    eng.precompile()
+    n = eng.stats.compiles
+    assert n == len(eng.continuous.cells()) + 2  # + the static cells (4 and 12 rows) x 1 prompt bucket
+    whole = eng.generate(PROMPTS, 2, seed=3)
+    assert whole["engine"] == "static" and whole["compiles"] == 0 and eng.stats.compiles == n
+    assert (whole["lengths"] == T).all()
+    rest = eng.generate(PROMPTS * 2, 2, seed=3)  # 24 rows: more than a bucket, so continuous slots
+    assert rest["engine"] == "continuous" and rest["compiles"] == 0 and (rest["lengths"] == T).all()
+    np.testing.assert_array_equal(rest["tokens"][:12], whole["tokens"])

@@ -156,10 +156,16 @@ class SamplerEngine:
 
     # -- the compiled program ------------------------------------------------------------------
     def _sample_fn(self):
+        """Row r draws its token t from ``fold_in(fold_in(key(seed), r), t)``, as the continuous
+        engine does: both engines give the same rows for the same seed, and a request can run on
+        either (``generate`` picks)."""
         choose = token_chooser(self.cfg)
 
-        def sample(logits, key):  # logits (B, V) float32 -> tokens (B,), logprobs (B,)
-            return choose(logits, jax.random.uniform(key, (logits.shape[0], 1), jnp.float32))
+        def sample(logits, key, t):  # logits (B, V) float32 -> tokens (B,), logprobs (B,)
+            rows = jnp.arange(logits.shape[0], dtype=jnp.int32)
+            u = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, r), t), (),
+                                                      jnp.float32))(rows)
+            return choose(logits, u[:, None])
 
         return sample
 
@@ -191,8 +197,8 @@ class SamplerEngine:
                 return (s["i"] < jnp.minimum(limit, T)) & ~jnp.all(s["done"])
 
             def body(s):
-                key, sub = jax.random.split(s["key"])
-                tok, lp = sample(s["logits"], sub)
+                key = s["key"]
+                tok, lp = sample(s["logits"], key, s["i"])
                 tok = jnp.where(s["done"], pad, tok)
                 lp = jnp.where(s["done"], 0.0, lp)
                 tokens = s["tokens"].at[:, s["i"]].set(tok)
@@ -263,7 +269,9 @@ class SamplerEngine:
         new_tokens)`` subset of it)."""
         if (engine or self.cfg.engine) == "continuous" and cells is None:
             self.continuous.precompile()
-            return list(self.stats.compile_log)
+            if not self.stops_unreachable:
+                return list(self.stats.compile_log)
+            # requests then run as whole static batches (``_whole_batch``): their grid too
         if cells is None:
             cells = [(r, p, t) for r in self.cfg.batch_buckets for p in self.cfg.prompt_buckets
                      for t in self.cfg.new_tokens_grid]
@@ -273,6 +281,19 @@ class SamplerEngine:
         return list(self.stats.compile_log)
 
     # -- generation ----------------------------------------------------------------------------
+    def _whole_batch(self, prompts, n_per_prompt: int) -> bool:
+        """Whether a ``continuous`` request runs as one static program instead: when no stop token
+        can be sampled (every stop id is outside the vocabulary) every row runs ``max_new_tokens``,
+        so there is no long tail to cut and one program without chunk boundaries is the cheaper
+        engine (``benchmarks/sampler.py --vs-vllm``), as long as the rows fit one batch bucket.
+        Both engines key their draws by (seed, row, position), so the rows are the same either way."""
+        return (self.stops_unreachable and len(prompts) * n_per_prompt <= max(self.cfg.batch_buckets)
+                and not self.cfg.microbatch_rows)
+
+    @property
+    def stops_unreachable(self) -> bool:
+        return all(t >= self.vocab_size or t < 0 for t in self.stop_ids)
+
     def _fit_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
         limit = max(self.cfg.prompt_buckets)
         too_long = [len(p) for p in prompts if len(p) > limit]
@@ -295,7 +316,9 @@ class SamplerEngine:
         exit when *their* rows finish, instead of one batch that waits for its longest row.
         """
         if (engine or self.cfg.engine) == "continuous":
-            return self.continuous.generate(prompts, n_per_prompt, seed, max_new_tokens)
+            if not self._whole_batch(prompts, n_per_prompt):
+                return self.continuous.generate(prompts, n_per_prompt, seed, max_new_tokens)
+            engine = "static"  # no stop token can be sampled: no tail for continuous batching to cut
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
         prompts, truncated = self._fit_prompts(prompts)
