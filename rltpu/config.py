@@ -39,6 +39,8 @@ def _betas(v: tuple[float, float]) -> tuple[float, float]:
 
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "7x")
 MAX_CHIPS = 65_536  # chips in one job (all slices)
+# the largest slice of each generation (the planner's figures, rltpu/plan/hardware.py; a test keeps them equal)
+MAX_SLICE_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 6144, "v6e": 256, "7x": 9216}
 
 
 def _prod(topology: str) -> int:
@@ -89,9 +91,7 @@ class ClusterConfig(_Section):
                 f"(e.g. {'2x4' if want == 2 else '2x2x1'})"
             )
         # arithmetic on the string, before anything builds a chip table (1024x1024 took 5.5 s and 442 MB)
-        from rltpu.plan.hardware import tpu
-
-        chips, largest = _prod(self.topology), tpu(self.generation).max_slice_chips
+        chips, largest = _prod(self.topology), MAX_SLICE_CHIPS[self.generation]
         if chips > largest:
             raise ValueError(f"topology {self.topology!r} is not a {self.generation} slice shape: {chips} chips, but "
                              f"the largest {self.generation} slice has {largest}; use a smaller topology (or more "

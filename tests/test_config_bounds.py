@@ -169,6 +169,13 @@ def test_topology_beyond_the_largest_slice_is_refused_at_once():
     assert time.perf_counter() - t0 < 2
 
 
+def test_the_largest_slices_are_the_planners():
+    from rltpu.config import GENERATIONS, MAX_SLICE_CHIPS
+    from rltpu.plan.hardware import tpu
+
+    assert {g: tpu(g).max_slice_chips for g in GENERATIONS} == MAX_SLICE_CHIPS
+
+
 def test_overrides_of_inf_and_nan_are_refused_with_the_key():
     for override, key in (("trainer.lr=inf", "trainer.lr"), ("task.reward_default=nan", "task.reward_default"),
                           ("health.deadlines.training=.inf", "health.deadlines.training"),

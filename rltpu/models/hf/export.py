@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rltpu.config import ModelConfig
 from rltpu.models.hf.config import to_hf_config
-from rltpu.models.hf.shards import ShardedPart
+from rltpu.models.hf.shards import ShardedPart, verify_checkpoint
 from rltpu.models.hf.weights import CheckpointError, SafetensorsFile, write_safetensors
 
 # the tokenizer files of a HF directory (the data side's HFTokenizer.save copies the same set)
@@ -95,8 +95,6 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
     state_path = ckpt / "trainer_state.json"
     if not state_path.is_file():
         raise CheckpointError(f"{ckpt} is not a run checkpoint (no trainer_state.json; give RUN_DIR/checkpoint)")
-    from learner.checkpoint import verify_checkpoint
-
     try:  # every file against its sha256, as a resume does: a corrupt checkpoint is never exported
         meta = verify_checkpoint(ckpt)
     except ValueError as err:

@@ -26,6 +26,7 @@ from pathlib import Path
 from rltpu.models.hf.weights import CheckpointError, SafetensorsFile
 
 FORMAT = "rltpu-sharded-safetensors/1"
+STATE_FILE = "trainer_state.json"  # a run checkpoint's JSON: step, config, layout, sha256 of every file
 _ST = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64", "int32": "I32",
        "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
@@ -173,3 +174,83 @@ class ShardedPart:
             raise CheckpointError(f"{self.path}: tensor {name}: its chunks cover {covered} of "
                                   f"{math.prod(e['shape'])} elements")
         return out
+
+
+# -- a run checkpoint's integrity (learner.checkpoint writes it; resume and `rltpu export` check it) --
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _plain_name(directory: Path, name) -> str:
+    """A file name the map may list: one path component inside the checkpoint, never a directory."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"checkpoint {directory}: {STATE_FILE} lists {name!r}, not a file name in the checkpoint")
+    return name
+
+
+def _listed_files(directory: Path, meta: dict) -> set[str]:
+    """Every file the layout and the part indexes name (each must be in the sha256 map): the sharded
+    layout's ``<part>.index.json`` and the chunk files each index lists; the full-file layout's
+    ``<part>.safetensors`` files (model, optimizer, and each extra part and its optimizer)."""
+    layout = meta.get("layout")
+    if layout is None:  # the earlier full-file layout
+        extra = meta.get("extra_param_groups") or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"checkpoint {directory}: extra_param_groups is not a mapping")
+        policy = "adapters" if (directory / "adapters.safetensors").exists() else "model"
+        return {f"{p}.safetensors" for p in (policy, "optimizer", *extra, *(f"{n}_optimizer" for n in extra))}
+    if not isinstance(layout, dict) or layout.get("format") != "sharded" or not isinstance(layout.get("parts"), list) \
+            or not layout["parts"]:
+        raise ValueError(f"checkpoint {directory}: {STATE_FILE} has no valid 'layout' (format sharded, parts)")
+    names = set()
+    for part in layout["parts"]:
+        index = _plain_name(directory, f"{part}.index.json" if isinstance(part, str) else part)
+        names.add(index)
+        doc = json.loads((directory / index).read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) or not isinstance(doc.get("tensors"), dict):
+            raise ValueError(f"checkpoint {directory}: {index} is not a part index (files, tensors)")
+        names.update(doc["files"])
+        names.update(c["file"] for e in doc["tensors"].values() for c in e["chunks"])
+    return names
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """The checkpoint's JSON if it is complete: a non-empty sha256 map that names every file the
+    layout and indexes list, each present with its digest; else ValueError naming the first
+    problem. Any error while checking (a malformed JSON, a directory where a file belongs) counts
+    as invalid: a checkpoint is trusted only when every check passed."""
+    directory = Path(directory)
+    try:
+        return _verify(directory)
+    except ValueError as err:
+        raise ValueError(str(err).splitlines()[0] if str(err) else f"checkpoint {directory} is invalid") from None
+    except Exception as err:  # noqa: BLE001 - anything unexpected means "not verified"
+        raise ValueError(f"checkpoint {directory} is invalid ({type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0][:200]})") from None
+
+
+def _verify(directory: Path) -> dict:
+    try:
+        meta = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {directory}: unreadable {STATE_FILE} ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"checkpoint {directory}: {STATE_FILE} holds a {type(meta).__name__}, not an object")
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict) or not digests:
+        raise ValueError(f"checkpoint {directory}: {STATE_FILE} has no sha256 map (an incomplete checkpoint)")
+    for name, digest in digests.items():
+        path = directory / _plain_name(directory, name)
+        if not path.is_file() or not isinstance(digest, str) or sha256_file(path) != digest:
+            raise ValueError(f"checkpoint file {path} is corrupt (sha256 mismatch)")
+    missing = sorted(_listed_files(directory, meta) - set(digests))
+    if missing:
+        raise ValueError(f"checkpoint {directory}: {missing[0]} is listed by the layout but has no sha256 "
+                         f"(an incomplete checkpoint)")
+    return meta
