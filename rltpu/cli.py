@@ -129,7 +129,7 @@ def resume_from(run_dir: Path) -> bool:
 
     if effective(read_ledger(run_dir / "ledger.jsonl")):
         raise ConfigError(f"--resume: no checkpoint in {ckpt} but the ledger has trained steps (restore the "
-                          f"checkpoint, or start a new run without --resume in another run_dir)")
+                          f"checkpoint, or start over with --new-run instead of --resume)")
     print(f"rltpu: --resume: nothing trained in {run_dir} yet (no checkpoint, no ledger step); starting from "
           f"step 0", file=sys.stderr, flush=True)
     return False
