@@ -123,7 +123,8 @@ def resume_from(run_dir: Path) -> bool:
     restarts a preempted job passes ``--resume`` every time, the first launch included. Trained
     steps without a checkpoint raise: starting over would lose them."""
     ckpt = run_dir / "checkpoint"
-    if any((d / "trainer_state.json").exists() for d in (ckpt, ckpt.with_name("checkpoint.prev"))):
+    # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ... (a corrupt newer one may have been moved aside)
+    if any((d / "trainer_state.json").exists() for d in (ckpt, *run_dir.glob("checkpoint.prev*"))):
         return True
     from rltpu.observe.ledger import effective, read_ledger
 

@@ -101,3 +101,16 @@ def test_cli_refuses_a_fresh_run_in_a_used_dir_before_anything_starts(tmp_path):
     assert res.returncode == 2 and len(lines) == 1 and "already holds a run" in lines[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr and sorted(p.name for p in run.iterdir()) == before  # nothing touched
     assert time.time() - t0 < 60  # refused before Ray (a started cluster alone takes longer on this machine)
+
+
+def test_resume_finds_an_older_checkpoint_when_newer_ones_were_set_aside(tmp_path, capsys):
+    """After ``latest_valid(set_aside=True)`` moved a corrupt checkpoint/ and checkpoint.prev/ aside,
+    the valid checkpoint.prev2/ is still something to resume from (not "nothing trained")."""
+    from rltpu.cli import resume_from
+    from rltpu.observe.ledger import Ledger
+
+    run = tmp_path / "run"
+    (run / "checkpoint.prev2").mkdir(parents=True)
+    (run / "checkpoint.prev2" / "trainer_state.json").write_text("{}")
+    Ledger(run / "ledger.jsonl").commit(1, ["0:0:a"], 0)
+    assert resume_from(run) is True
