@@ -124,7 +124,8 @@ def resume_from(run_dir: Path) -> bool:
     steps without a checkpoint raise: starting over would lose them."""
     ckpt = run_dir / "checkpoint"
     # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ... (a corrupt newer one may have been moved aside)
-    if any((d / "trainer_state.json").exists() for d in (ckpt, *run_dir.glob("checkpoint.prev*"))):
+    older = [d for d in run_dir.glob("checkpoint.prev*") if not d.name.endswith(".corrupt")]
+    if any((d / "trainer_state.json").exists() for d in (ckpt, *older)):
         return True
     from rltpu.observe.ledger import effective, read_ledger
 
