@@ -151,3 +151,43 @@ def test_two_hosts_need_whole_hosts_and_one_chip_per_rank():
     pairs = [chips[i:i + 2] for i in range(0, 8, 2)]
     assert "chips_per_trainer=2" in torchtpu_group_problems("v5e", pairs, 4)[0]
     assert "devices" in torchtpu_group_problems("7x", [[chips[0]]], 4)[0]
+
+
+def test_torch_tpu_base_port_is_honoured_as_set_tpu_launch_env_honours_it(monkeypatch):
+    """``TORCH_TPU_BASE_PORT`` in the driver's env moves the multi-host slice-builder ports, as it moves
+    ``set_tpu_launch_env``'s (which read it; rltpu used to ignore it and always use 8070)."""
+    chips = two_host_v5e_2x4()
+    group = [[c] for c in chips]
+    names = {(0, 0): "10.130.0.2", (0, 1): "10.130.0.3"}
+    monkeypatch.setenv("TORCH_TPU_BASE_PORT", "9300")
+    ours = launch_env_for_group("v5e", group, names, session_id="78")
+    real = run_real({"nproc": 4, "topo": "2,4,1"}, {"TPU_WORKER_HOSTNAMES": "10.130.0.2,10.130.0.3",
+                                                   "JOB_COMPLETION_INDEX": "0", "TORCH_TPU_TOPOLOGY": "2,4,1",
+                                                   "TORCH_TPU_BASE_PORT": "9300"})
+    assert "error" not in real, real
+    assert ours[0]["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == real["TORCH_TPU_SLICEBUILDER_ADDRESSES"]
+    assert real["TORCH_TPU_SLICEBUILDER_ADDRESSES"].startswith("10.130.0.2:9300,10.130.0.2:9301")
+    monkeypatch.setenv("TORCH_TPU_BASE_PORT", "http")
+    with pytest.raises(ConfigError, match="TORCH_TPU_BASE_PORT='http' is not a port number"):
+        launch_env_for_group("v5e", group, names)
+
+
+def test_single_host_ports_come_from_the_tpu_host():
+    """One host: the slice-builder ports are whatever the picker run on the TPU host returns (the controller
+    asks trainer 0's actor, ``TrainerActor.free_ports``), not ports found free on the driver."""
+    from rltpu.chips.launch import free_ports
+
+    table = ChipTable.build(ClusterConfig(generation="v6e", topology="2x4"), emulated=False)
+    asked = []
+
+    def on_host(n):
+        asked.append(n)
+        return [40001, 40002, 40003, 40004]
+
+    envs = launch_env_for_group("v6e", [[c] for c in table.chips[4:]], pick_ports=on_host)
+    assert asked == [4]
+    assert envs[0]["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "localhost:40001,localhost:40002,localhost:40003,localhost:40004"
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(p > 0 for p in ports)
+    with pytest.raises(ValueError, match="distinct ports"):
+        launch_env_for_group("v6e", [[c] for c in table.chips[4:]], pick_ports=lambda n: [5] * n)
