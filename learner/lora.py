@@ -133,12 +133,3 @@ def merge_into(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
         a, b = adapters[name].float(), adapters[module + ".lora_B.weight"].float()
         out[module + ".weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
     return out
-
-
-def trainable_bytes(model: nn.Module) -> dict[str, int]:
-    """Local bytes per kind on this rank: base (frozen) vs adapters, parameters only."""
-    out = {"base_bytes": 0, "adapter_bytes": 0}
-    for name, p in model.named_parameters():
-        t = p.to_local() if hasattr(p, "to_local") else p
-        out["adapter_bytes" if is_adapter(name) else "base_bytes"] += t.numel() * t.element_size()
-    return out

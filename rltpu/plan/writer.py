@@ -1,5 +1,5 @@
-"""``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts (never a
-tensor-parallel one: ``chips_per_sampler``/``chips_per_trainer`` stay 1 until TP exists, issue 16).
+"""``--write-config``: the best placement ``rltpu train`` can run, as a config it accepts (tensor-parallel
+ones included: ``chips_per_sampler``/``chips_per_trainer`` as the plan chose them).
 
 Only ``placement`` changes (async as ``staleness: 1`` with ``trainer.off_policy_correction: tis``), plus the trainer's activation checkpointing and micro-batch size the
 plan chose (unless the placement is the config's own), and a sampler batch bucket when a sampler
