@@ -58,7 +58,7 @@ def preflight_real_chips(cfg, address: str | None) -> None:
                          cfg.placement.mode)
     if not address:
         from rltpu.chips.backend import ChipUnavailableError, decide
-        from rltpu.chips.doctor import child_env, probe_trainer_chip
+        from rltpu.control.doctor import child_env, probe_trainer_chip
 
         child_env(cfg, "sampler", False, strict=True)  # JAX's libtpu build is installed (rltpu.chips.libtpu)
         decide("sampler", False, cfg.backend)
@@ -212,12 +212,12 @@ def _train(args, interrupts) -> int:
 
 
 def cmd_doctor(args) -> int:
-    """One line per preflight check (rltpu.chips.doctor); exit 0 when all pass, 1 when one fails."""
+    """One line per preflight check (rltpu.control.doctor); exit 0 when all pass, 1 when one fails."""
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return _fail(str(e))
-    from rltpu.chips.doctor import run
+    from rltpu.control.doctor import run
 
     checks = run(cfg, args.address)
     for c in checks:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from test_tpu_fidelity import ray_nodes_of
 
-from rltpu.chips import doctor, libtpu
+from rltpu.chips import libtpu
+from rltpu.control import doctor
 from rltpu.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
