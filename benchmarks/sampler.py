@@ -755,8 +755,14 @@ class VllmWorker:
                                   stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def ask(self, req: dict) -> dict:
+        self.send(req)
+        return self.recv()
+
+    def send(self, req: dict) -> None:
         self.p.stdin.write(json.dumps(req) + "\n")
         self.p.stdin.flush()
+
+    def recv(self) -> dict:
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError(f"the vLLM worker died; its log: {self.log.name}")
@@ -816,6 +822,9 @@ def vs_model(name: str, ckpt: Path, args, worker: VllmWorker | None) -> dict:
     batches = tuple(sorted({rows for _, rows in cells}))
     engines = {}
     compile_s = {}
+    t_vllm = time.perf_counter()
+    if "vllm" in systems:  # vLLM loads (and compiles) in its process while rltpu compiles here: untimed
+        worker.send({"op": "load", "path": str(ckpt), "max_model_len": 256, "max_num_seqs": max(batches)})
     for mode, stop in (("fixed", VS_VOCAB), ("longtail", VS_EOS)):  # fixed: an EOS outside the vocabulary
         if not any(m == mode for m, _ in cells):
             continue
@@ -825,10 +834,13 @@ def vs_model(name: str, ckpt: Path, args, worker: VllmWorker | None) -> dict:
         eng = SamplerEngine(cfg, scfg, VS_VOCAB, VS_PAD, stop, shapes)
         eng.set_params(params, 0)
         t0 = time.perf_counter()
-        if "continuous" in systems:
+        if "continuous" in systems and mode == "longtail":
             eng.precompile(engine="continuous")
+        # fixed: no stop token can be sampled, so the default engine runs each request (rows <= the
+        # largest batch bucket) as one static program (SamplerEngine._whole_batch): its grid is all
+        # it needs, and the calls below assert that nothing compiles
         t1 = time.perf_counter()
-        if "static" in systems:
+        if "static" in systems or mode == "fixed":
             eng.precompile(cells=[(b, 32, n_new) for b in batches if (mode, b) in cells], engine="static")
         compile_s[mode] = {"continuous": r(t1 - t0, 2), "static": r(time.perf_counter() - t1, 2),
                            "programs": eng.stats.compiles}
@@ -839,10 +851,8 @@ def vs_model(name: str, ckpt: Path, args, worker: VllmWorker | None) -> dict:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     vinfo = None
     if "vllm" in systems:
-        t0 = time.perf_counter()
-        vinfo = worker.ask({"op": "load", "path": str(ckpt), "max_model_len": 256,
-                            "max_num_seqs": max(batches)})
-        vinfo["load_wall_s"] = r(time.perf_counter() - t0, 1)
+        vinfo = worker.recv()
+        vinfo["load_wall_s"] = r(time.perf_counter() - t_vllm, 1)
         worker.ask({"op": "generate", "prompts": _vs_prompts(8, 99), "max_tokens": 16, "ignore_eos": True})
         log(f"{name}: vLLM loaded in {vinfo['load_wall_s']} s")
 
@@ -853,7 +863,11 @@ def vs_model(name: str, ckpt: Path, args, worker: VllmWorker | None) -> dict:
             if system in ("continuous", "static"):
                 out = engines[mode].generate(prompts, 1, seed, engine=system)
                 lengths = np.asarray(out["lengths"])
-                extra = {"compiles": int(out["compiles"]), "decode_steps": int(out["decode_steps"])}
+                extra = {"compiles": int(out["compiles"]), "decode_steps": int(out["decode_steps"]),
+                         "engine": out["engine"]}
+                if out["engine"] == "continuous":
+                    extra |= {"chunks": out["chunks"], "slot_steps": int(out["slot_steps"]),
+                              "occupancy": round(float(out["occupancy"]), 4)}
             elif system == "hf":
                 P = max(len(p) for p in prompts)
                 ids = torch.full((len(prompts), P), VS_PAD, dtype=torch.long)

@@ -69,9 +69,9 @@ def test_truncated_sampling_matches_the_truncated_softmax(top_p, top_k):
 
 
 def test_extra_stop_tokens_end_rows():
-    # every non-pad token stops: each real row ends after exactly one token
+    # every token stops (pad too: a row that drew it would go on): each real row ends after one token
     cfg = SamplerConfig(engine="static", group_size=2, max_new_tokens=5, batch_buckets=(4,), prompt_buckets=(4,),
-                        stop_token_ids=tuple(range(1, V)))
+                        stop_token_ids=tuple(range(0, V)))
     eng = _engine(cfg)
     eng.set_params(jax_llama.params_from_torch(_state()), 0)
     out = eng.generate([[3, 4], [5]], 2, seed=1)
