@@ -160,6 +160,34 @@ def test_at_least_200_generated_invalid_configs_each_a_one_line_error_naming_the
     assert time.perf_counter() - t0 < 60  # in-process: milliseconds each, nothing built
 
 
+def test_every_generated_config_through_rltpu_train_is_exit_2_one_line(tmp_path, capsys):
+    """Every 4th case (> 200) as a YAML file through ``rltpu train``'s own code (``cli._train``,
+    in-process: as subprocesses they would take many minutes of CI): exit code 2, one
+    ``rltpu: error:`` line, nothing created, Ray never started."""
+    import argparse
+
+    import ray
+
+    from rltpu import cli
+
+    run_dir = tmp_path / "run"
+    bad = []
+    sample = CASES[::4]
+    assert len(sample) >= 200
+    for i, (key, label, value) in enumerate(sample):
+        cfg = tmp_path / f"c{i}.yaml"
+        cfg.write_text(yaml.safe_dump(_set(BASE, key, value)))
+        args = argparse.Namespace(config=str(cfg), overrides=[], run_dir=str(run_dir), resume=False, new_run=False,
+                                  address=None)
+        code = cli._train(args, None)
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if code != 2 or len(lines) != 1 or not lines[0].startswith("rltpu: error:") or "Traceback" in err:
+            bad.append((key, label, code, err[-300:]))
+    assert not bad, f"{len(bad)} not exit 2 + one line: {bad[:10]}"
+    assert not run_dir.exists() and not ray.is_initialized()
+
+
 def test_topology_beyond_the_largest_slice_is_refused_at_once():
     """Refused by arithmetic on the string: 4096x4096 took 323 s of chip-table building before."""
     t0 = time.perf_counter()
