@@ -834,7 +834,7 @@ class Controller:
             self.rewards.shutdown()
         if self.envs is not None:
             self.envs.shutdown()
-        if self.ray is not None and control_plane_dead(self.ray, grace_s=1.0 if state == "stopped" else 0.0):
+        if self.ray is not None and control_plane_dead(self.ray, grace_s=0.2 if state == "stopped" else 0.0):
             # a signal to the whole process group (timeout, a scheduler's cancel, kill -- -PGID) stops the
             # embedded GCS and raylet too: every call placement.shutdown makes would then wait Ray's 60 s
             # for them and end the driver with exit 1. The checkpoint is written: stop what is left here.
