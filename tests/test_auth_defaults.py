@@ -43,7 +43,11 @@ def test_make_demo_and_bench_keep_token_mode(tmp_path, target):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_only_the_test_target_disables_auth():
-    db = subprocess.run(["make", "-pn", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    # `make test` exports the variable to this process: the database must show what the Makefile assigns,
+    # not what the caller's environment holds
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and not k.startswith("MAKE")}
+    db = subprocess.run(["make", "-pn", "demo"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=60).stdout
     assigned = [ln for ln in db.splitlines() if "RAY_AUTH_MODE" in ln and not ln.startswith("#")]
     assert assigned == ["test: RAY_AUTH_MODE := disabled"], assigned
 
