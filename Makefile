@@ -22,7 +22,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,hf,data,loggers,tpu]'
+	$(PY) -m pip install --quiet -e '.[test,hf,data,math,loggers,tpu]'
 	$(MAKE) tpu-libtpu
 	touch $@
 
