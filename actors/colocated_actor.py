@@ -46,7 +46,8 @@ class ColocatedActor(TrainerActor):
         """The trainer engine exactly as ``TrainerActor.build``, then the sampler engine exactly as
         ``SamplerActor.build``; returns the sampler's compile log. The sampler has no weights until
         ``publish_local``."""
-        from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
+        from rltpu.sampling.backend import build_backend
+        from rltpu.sampling.engine import enable_compile_cache
 
         super().build(vocab_size)  # phase "loading"
         if cache_dir:
@@ -54,7 +55,7 @@ class ColocatedActor(TrainerActor):
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
-            self.sampler = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
+            self.sampler = build_backend(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
             return self.sampler.precompile() if self.cfg.sampler.precompile else []
 
     # -- weights, in-process ---------------------------------------------------------------------
@@ -83,10 +84,8 @@ class ColocatedActor(TrainerActor):
         return out
 
     def generate_eval(self, prompts: list[list[int]], n_per_prompt: int, seed: int, greedy: bool) -> dict:
-        from actors.sampler_actor import eval_generate
-
         with self.hb.phase("sampling"):
-            return eval_generate(self, self.sampler, prompts, n_per_prompt, seed, greedy)
+            return self.sampler.generate(prompts, n_per_prompt, seed, greedy=greedy)
 
     def sampler_probe_logits(self, tokens, position_ids, attention_mask):
         return self.sampler.probe_logits(tokens, position_ids, attention_mask)

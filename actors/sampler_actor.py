@@ -1,26 +1,10 @@
-"""One sampler: owns its chips, runs the compiled JAX engine, receives weights from trainer 0."""
+"""One sampler: owns its chips, runs its rollout backend (``rltpu.sampling.backend``; the compiled JAX
+engine by default), receives weights from the trainers over the sync fabric."""
 
 from __future__ import annotations
 
 from rltpu.observe.health import Heartbeat
 from rltpu.chips.runtime import ProcessRuntime, ray_identity
-
-
-def eval_generate(actor, engine, prompts: list[list[int]], n: int, seed: int, greedy: bool, devices=None) -> dict:
-    """Evaluation rows (never trained on). Greedy runs on a temperature-0 twin of ``engine`` (the
-    temperature is compiled into the programs) that shares its weights; the twin keeps its own
-    compile counters, so the training steps' ``compiles`` stay what training did."""
-    if not greedy:
-        return engine.generate(prompts, n, seed)
-    twin = getattr(actor, "_greedy", None)
-    if twin is None:
-        from rltpu.sampling.engine import SamplerEngine
-
-        shapes = {k: (tuple(s.shape), str(s.dtype)) for k, s in engine.param_structs.items()}
-        twin = actor._greedy = SamplerEngine(engine.mcfg, engine.cfg.model_copy(update={"temperature": 0.0}),
-                                             engine.vocab_size, engine.pad_id, engine.eos_id, shapes, devices)
-    twin.params, twin.version = engine.params, engine.version
-    return twin.generate(prompts, n, seed)
 
 
 class SamplerActor:
@@ -52,14 +36,15 @@ class SamplerActor:
 
     def build(self, vocab_size: int, pad_id: int, eos_id: int, spec, cache_dir: str | None = None) -> list:
         """Build the engine and its grid; with ``cache_dir`` a restart loads programs from disk."""
-        from rltpu.sampling.engine import SamplerEngine, enable_compile_cache
+        from rltpu.sampling.backend import build_backend
+        from rltpu.sampling.engine import enable_compile_cache
 
         if cache_dir:
             enable_compile_cache(cache_dir)
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
-            self.engine = SamplerEngine(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
+            self.engine = build_backend(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
                                         devices=self._devices(), lora=self.cfg.trainer.lora)
             return self.engine.precompile() if self.cfg.sampler.precompile else []
 
@@ -98,7 +83,7 @@ class SamplerActor:
             except Exception:
                 self.rt.fabric.close()
                 raise
-            if self.engine.mesh is not None:  # tensor parallel: each device receives only its slice
+            if getattr(self.engine, "mesh", None) is not None:  # tensor parallel: each device receives its slice
                 params, put = device_put_params(tensors, self.engine.param_shardings)
                 zero = 0
             elif self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":
@@ -125,7 +110,7 @@ class SamplerActor:
 
     def generate_eval(self, prompts: list[list[int]], n_per_prompt: int, seed: int, greedy: bool) -> dict:
         with self.hb.phase("sampling"):
-            return eval_generate(self, self.engine, prompts, n_per_prompt, seed, greedy, self._devices())
+            return self.engine.generate(prompts, n_per_prompt, seed, greedy=greedy)
 
     def probe_logits(self, tokens, position_ids, attention_mask):
         with self.hb.phase("probe"):
@@ -135,13 +120,8 @@ class SamplerActor:
         return self.rt.report() | {"weight_version": self.engine.version if self.engine else -1}
 
     def layout(self) -> dict:
-        """Where this sampler's weights live: its mesh and the weight bytes each device holds
-        (tensor parallel: about 1/k of the model each, plus the replicated norms)."""
-        held = self.engine.device_weight_bytes()
-        return {"rank": self.rt.rank, "tp": self.engine.tp,
-                "mesh": dict(self.engine.mesh.shape) if self.engine.mesh is not None else None,
-                "device_weight_bytes": {str(d): n for d, n in held.items()},
-                "model_bytes": sum(int(a.nbytes) for a in (self.engine.params or {}).values())}
+        """Where this sampler's weights live (``RolloutBackend.describe``)."""
+        return {"rank": self.rt.rank} | self.engine.describe()
 
     def shutdown(self) -> None:
         self.hb.stop()

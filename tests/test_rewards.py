@@ -204,12 +204,11 @@ def test_pass_at_k_is_the_unbiased_estimator_by_hand():
 
 
 def test_greedy_evaluation_on_fixed_weights_is_deterministic(tmp_path):
-    """The sampler actor's eval path (a temperature-0 twin sharing the engine's weights) through
+    """The engine's eval path (``greedy=True``: a temperature-0 twin sharing its weights) through
     ``Evaluator``: the same figures and tokens twice, whatever seed, and no compile counted on the
     training engine."""
     import jax.numpy as jnp
 
-    from actors.sampler_actor import eval_generate
     from rltpu.config import EvalConfig, ModelConfig, SamplerConfig
     from rltpu.control.batch import merge_generations
     from rltpu.control.evaluation import Evaluator
@@ -230,12 +229,11 @@ def test_greedy_evaluation_on_fixed_weights_is_deterministic(tmp_path):
     eng = SamplerEngine(mcfg, scfg, tok.vocab_size, tok.pad_id, tok.eos_id,
                         {k: (tuple(v.shape), "float32") for k, v in sd.items()})
     eng.set_params({k: jnp.asarray(v.numpy()) for k, v in sd.items()}, 7)
-    holder = SimpleNamespace()
     ev = Evaluator(EvalConfig(dataset=str(held), every_steps=1, samples=0), scfg, tok, seed=0)
     seen = []
 
     def generate(prompts, n, greedy, seed):
-        out = eval_generate(holder, eng, prompts, n, seed + len(seen), greedy)  # a different seed each call
+        out = eng.generate(prompts, n, seed + len(seen), greedy=greedy)  # a different seed each call
         seen.append(out["tokens"].copy())
         return merge_generations([out], tok.pad_id)
 
@@ -247,6 +245,7 @@ def test_greedy_evaluation_on_fixed_weights_is_deterministic(tmp_path):
     assert {k: v for k, v in first.items() if k != "eval/seconds"} == \
            {k: v for k, v in second.items() if k != "eval/seconds"}
     np.testing.assert_array_equal(seen[0], seen[1])
-    assert holder._greedy.version == 7 and holder._greedy.cfg.temperature == 0.0
+    assert eng.greedy_twin().version == 7 and eng.greedy_twin().cfg.temperature == 0.0
+    assert eng.stats.compiles == 0  # the twin's programs are its own
     assert eng.stats.compiles == 0  # the twin compiled its own program
     assert not ev.due(2, last=True)  # the end of a run already evaluated at that step: not twice

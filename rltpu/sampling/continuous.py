@@ -365,6 +365,10 @@ class ContinuousSampler:
             self._compile(cell, (f"decode:{n}", (self.MP + w) * self.ps, self.C), self._chunk_fn(),
                           self._chunk_args(n, w))
 
+    def programs(self) -> list:
+        """The compiled prefill and decode-chunk executables."""
+        return list(self._compiled.values())
+
     def precompile(self) -> None:
         """Build every cell, two at a time: XLA compiles with the GIL released, single-threaded,
         so a second core halves the wait (the grid has one decode program per slot bucket x view)."""
@@ -389,7 +393,7 @@ class ContinuousSampler:
         params, version = e.params, e.version  # the snapshot every chunk of this call uses
         t_call = time.perf_counter()
         compiles0, compile_s0 = e.stats.compiles, e.stats.compile_seconds
-        prompts, truncated = e._fit_prompts(prompts)
+        prompts, truncated = e.fit_prompts(prompts)
         n_new = max_new_tokens or cfg.max_new_tokens
         pick_bucket(n_new, cfg.new_tokens_grid, "max_new_tokens")
         R = len(prompts) * G

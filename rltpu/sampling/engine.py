@@ -22,7 +22,8 @@ Over k devices (``devices=``, one sampler's ``placement.chips_per_sampler`` chip
 programs (of either engine) are compiled for a mesh and GSPMD partitions them: see
 ``rltpu.sampling.tp``.
 
-Testable without Ray; ``actors/sampler_actor.py`` only forwards to it.
+It is the default ``RolloutBackend`` (``rltpu.sampling.backend``). Testable without Ray;
+``actors/sampler_actor.py`` only forwards to it.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class SamplerEngine:
         self.stats = SamplerStats()
         self._compiled: dict[tuple[int, int, int], object] = {}
         self._continuous = None  # the continuous sampler, built on first use (``continuous``)
+        self._greedy = None  # the temperature-0 twin for evaluation rows, built on first use
         self.mesh = self.layout = self.param_shardings = None
         if isinstance(devices, int):
             devices = jax.devices()[:devices]
@@ -294,7 +296,31 @@ class SamplerEngine:
     def stops_unreachable(self) -> bool:
         return all(t >= self.vocab_size or t < 0 for t in self.stop_ids)
 
-    def _fit_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    def programs(self) -> list:
+        """The compiled executables held (the colocated memory report reads XLA's figures from them)."""
+        return list(self._compiled.values()) + (list(self._continuous.programs()) if self._continuous else [])
+
+    def describe(self) -> dict:
+        """Where the weights live: the mesh and the weight bytes each device holds (tensor parallel:
+        about 1/k of the model each, plus the replicated norms)."""
+        return {"tp": self.tp, "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
+                "device_weight_bytes": {str(d): n for d, n in self.device_weight_bytes().items()},
+                "model_bytes": sum(int(a.nbytes) for a in (self.params or {}).values())}
+
+    def greedy_twin(self) -> "SamplerEngine":
+        """A temperature-0 engine sharing this one's weights (the temperature is compiled into the
+        programs); it keeps its own compile counters, so training's ``compiles`` stay training's."""
+        if self._greedy is None:
+            shapes = {k: (tuple(s.shape), str(s.dtype)) for k, s in self.param_structs.items()}
+            devices = list(self.mesh.devices.flat) if self.mesh is not None else None
+            self._greedy = SamplerEngine(self.mcfg, self.cfg.model_copy(update={"temperature": 0.0}),
+                                         self.vocab_size, self.pad_id, self.eos_id, shapes, devices)
+        self._greedy.params, self._greedy.version = self.params, self.version
+        return self._greedy
+
+    def fit_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+        """Prompts cut to the largest prompt bucket (keeping their ends) and how many were cut; an
+        error instead unless ``sampler.truncate_prompts``."""
         limit = max(self.cfg.prompt_buckets)
         too_long = [len(p) for p in prompts if len(p) > limit]
         if too_long and not self.cfg.truncate_prompts:
@@ -304,7 +330,7 @@ class SamplerEngine:
             )
         return [p[-limit:] for p in prompts], len(too_long)  # keep the end, nearest the answer
 
-    def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int,
+    def generate(self, prompts: list[list[int]], n_per_prompt: int, seed: int, greedy: bool = False,
                  max_new_tokens: int | None = None, engine: str | None = None) -> dict:
         """Sample ``n_per_prompt`` completions per prompt (rows prompt-major: p0 x G, p1 x G, ...).
 
@@ -314,14 +340,17 @@ class SamplerEngine:
 
         With ``sampler.microbatch_rows`` the request runs as sequential micro-batches that each
         exit when *their* rows finish, instead of one batch that waits for its longest row.
+        ``greedy``: evaluation rows, on the temperature-0 twin (``greedy_twin``).
         """
+        if greedy:
+            return self.greedy_twin().generate(prompts, n_per_prompt, seed, False, max_new_tokens, engine)
         if (engine or self.cfg.engine) == "continuous":
             if not self._whole_batch(prompts, n_per_prompt):
                 return self.continuous.generate(prompts, n_per_prompt, seed, max_new_tokens)
             engine = "static"  # no stop token can be sampled: no tail for continuous batching to cut
         if self.params is None:
             raise RuntimeError("sampler has no weights yet: call set_params (weight sync) first")
-        prompts, truncated = self._fit_prompts(prompts)
+        prompts, truncated = self.fit_prompts(prompts)
         mb = self.cfg.microbatch_rows // n_per_prompt if self.cfg.microbatch_rows else 0
         if not mb or len(prompts) <= mb:
             return self._generate(prompts, n_per_prompt, seed, max_new_tokens) | {"truncated_prompts": truncated}
@@ -337,7 +366,7 @@ class SamplerEngine:
                       "truncated_prompts": truncated}
 
     def _generate(self, prompts, n_per_prompt, seed, max_new_tokens=None, plen=None) -> dict:
-        """One compiled call on prompts that already fit the grid (see ``_fit_prompts``)."""
+        """One compiled call on prompts that already fit the grid (see ``fit_prompts``)."""
         t_call = time.perf_counter()
         n_new = max_new_tokens or self.cfg.max_new_tokens
         T = pick_bucket(n_new, self.cfg.new_tokens_grid, "max_new_tokens")

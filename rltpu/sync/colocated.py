@@ -231,7 +231,7 @@ def sampler_memory(engine, trainer_model: torch.nn.Module | None = None) -> dict
     itemsize = np.dtype(engine.dtype).itemsize
     out = {"param_bytes": 0, "shared_with_trainer_bytes": 0, "largest_cell": [rows, plen, new],
            "kv_cache_bytes": kv_cache_bytes(engine.mcfg, rows, plen + new, itemsize),
-           "programs": len(engine._compiled), "program_temp_bytes": None}
+           "programs": len(engine.programs()), "program_temp_bytes": None}
     if engine.params is not None:
         out["param_bytes"] = int(sum(a.nbytes for a in engine.params.values()))
         if trainer_model is not None:
@@ -241,7 +241,7 @@ def sampler_memory(engine, trainer_model: torch.nn.Module | None = None) -> dict
                     if a.unsafe_buffer_pointer() in mine:
                         out["shared_with_trainer_bytes"] += int(a.nbytes)
     temps = []
-    for exe in engine._compiled.values():
+    for exe in engine.programs():
         with contextlib.suppress(Exception):  # backends without memory analysis
             temps.append(int(exe.memory_analysis().temp_size_in_bytes))
     if temps:
