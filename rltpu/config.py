@@ -65,13 +65,14 @@ def is_loopback(host: str) -> bool:
 class ClusterConfig(_Section):
     """Which chips exist. On a CPU machine they are emulated Ray ``TPU`` resources."""
 
+    # TPU generation of the slice (decides 2D/3D topology and the planner's figures)
     generation: Literal["v4", "v5e", "v5p", "v6e", "7x"] = "v5e"
     topology: str = "2x2"  # chips per slice as AxB (2D: v5e/v6e) or AxBxC (3D: v4/v5p/7x)
-    slices: int = Field(1, ge=1, le=1024)
+    slices: int = Field(1, ge=1, le=1024)  # slices of that topology (multi-slice: DCN between them)
     emulated: bool | None = None  # None: emulate when no real TPU is found on this host
     address: str | None = None  # join an existing Ray cluster ("auto" or host:port)
     ray_temp_dir: str | None = None  # embedded Ray's temp dir; default a fresh /tmp/rltpu-ray-* (short socket paths)
-    bind_host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"  # address the embedded Ray cluster and the sync fabric listen on
     allow_remote: bool = False  # a non-loopback bind_host opens the cluster to the network: say so explicitly
 
     @field_validator("topology")
@@ -115,18 +116,19 @@ class PlacementConfig(_Section):
     s > 0 lets samplers generate step k+1..k+s while the trainers train step k).
     """
 
+    # disaggregated: samplers and trainers on disjoint chips; colocated: both in one process
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    staleness: int = Field(0, ge=0, le=8)
-    sampler_chips: int = Field(2, ge=1)
-    trainer_chips: int = Field(2, ge=1)
-    chips_per_sampler: Literal[1, 2, 4, 8] = 1
-    chips_per_trainer: Literal[1, 2, 4, 8] = 1
+    staleness: int = Field(0, ge=0, le=8)  # weight versions a rollout may lag the policy it trains (0: on-policy)
+    sampler_chips: int = Field(2, ge=1)  # chips for the JAX samplers
+    trainer_chips: int = Field(2, ge=1)  # chips for the FSDP2 trainers
+    chips_per_sampler: Literal[1, 2, 4, 8] = 1  # chips per sampler process (tensor parallel above 1)
+    chips_per_trainer: Literal[1, 2, 4, 8] = 1  # chips per trainer process (tensor parallel above 1)
     reward_chips: int = Field(0, ge=0)  # an RLHF reward-model group (needs the reward_model section)
-    chips_per_reward: Literal[1, 2, 4, 8] = 1
+    chips_per_reward: Literal[1, 2, 4, 8] = 1  # chips per reward-model process
     # optional pinning to global chip ids (chip table order); None = first free chips
     sampler_chip_ids: tuple[int, ...] | None = None
-    trainer_chip_ids: tuple[int, ...] | None = None
-    reward_chip_ids: tuple[int, ...] | None = None
+    trainer_chip_ids: tuple[int, ...] | None = None  # pin the trainers to these global chip ids
+    reward_chip_ids: tuple[int, ...] | None = None  # pin the reward models to these global chip ids
 
     @model_validator(mode="after")
     def _divisible(self) -> "PlacementConfig":
@@ -325,8 +327,8 @@ class EnvConfig(_Section):
     """
 
     path: str  # ``module:Class``; a new instance per episode, built with ``kwargs``
-    kwargs: dict[str, Any] = {}
-    max_turns: int = Field(4, ge=1)
+    kwargs: dict[str, Any] = {}  # keyword arguments for the environment class
+    max_turns: int = Field(4, ge=1)  # policy turns per episode at most
     max_tokens: int = Field(32, ge=2)  # the response region: every turn's completion and observation
     # episode: every policy token gets the episode's advantage; turn: a turn's tokens get the group-relative
     # advantage of its return-to-go (its own and later turns' rewards), so a reward earned by an earlier
@@ -382,10 +384,11 @@ class SamplerConfig(_Section):
 
     group_size: int = Field(8, ge=2)  # G completions per prompt (GRPO needs >= 2)
     temperature: float = Field(1.0, ge=0)  # 0 = greedy (argmax); logprobs are then those at T=1
+    # nucleus sampling: keep the smallest set of tokens with this much mass (1: off)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0 = off
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()  # extra stop tokens besides the tokenizer's EOS
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(8, ge=1)  # completion length limit per turn (tokens)
     batch_buckets: tuple[int, ...] = (16, 32, 64)  # rows (prompts x G) per compiled program
     prompt_buckets: tuple[int, ...] = (8, 16)  # prompt length (tokens) per compiled program
     new_token_buckets: tuple[int, ...] | None = None  # None: (max_new_tokens,)
@@ -447,7 +450,7 @@ class LoraConfig(_Section):
     """Low-rank adapters (``learner/lora.py``): W x + (alpha / rank) B A x on the named projections,
     the base frozen. Only A and B train, sync (after the first full sync) and checkpoint."""
 
-    rank: int = 8
+    rank: int = 8  # adapter rank r (B is out x r, A is r x in)
     alpha: float = 16.0  # the update is scaled by alpha / rank (the PEFT convention)
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, training only
     target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS  # HF names; default: all seven projections + lm_head
@@ -476,18 +479,18 @@ class LoraConfig(_Section):
 class TrainerConfig(_Section):
     """The policy update on the FSDP2-wrapped policy: algorithm, optimizer, loss options."""
 
-    steps: int = Field(60, ge=1)
+    steps: int = Field(60, ge=1)  # training steps (one sample -> reward -> update -> sync round each)
     # stop early (a normal finish, final checkpoint) once the mean reward of the last
     # ``target_window`` steps reaches this; None: run all ``steps``
     target_reward: float | None = None
-    target_window: int = Field(5, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    clip_eps: float = Field(0.2, gt=0)
+    target_window: int = Field(5, ge=1)  # steps averaged for target_reward
+    prompts_per_step: int = Field(16, ge=1)  # prompts drawn per step (rows = prompts_per_step x sampler.group_size)
+    lr: float = Field(3e-3, gt=0)  # AdamW learning rate (peak, after warmup)
+    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)  # AdamW betas [beta1, beta2]
+    weight_decay: float = Field(0.0, ge=0)  # AdamW decoupled weight decay
+    grad_clip: float = Field(1.0, gt=0)  # clip the global gradient norm to this
+    warmup_steps: int = Field(0, ge=0)  # linear learning-rate warmup from 0 over this many steps
+    clip_eps: float = Field(0.2, gt=0)  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     kl_coef: float = Field(0.0, ge=0)  # > 0 keeps a frozen reference copy of the initial policy
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus per token (exploration from random init)
     ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
@@ -499,6 +502,7 @@ class TrainerConfig(_Section):
                            "seq-mean-token-sum-norm"] | None = None
     clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28); None = clip_eps
     dual_clip_c: float | None = Field(None, gt=1)  # cap a negative-advantage token's loss at -c*A
+    # KL estimator against the reference: k1 log-ratio, k2 squared, k3 low-variance
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False  # False: kl_coef * KL in the loss; True: subtracted from the reward
     gamma: float = Field(1.0, gt=0, le=1)  # discount for per-token returns (REINFORCE++)
@@ -509,7 +513,7 @@ class TrainerConfig(_Section):
     # taken against the trainer's recomputed logprobs and each token is weighted by
     # min(pi_old / pi_behaviour, tis_cap), pi_behaviour being the sampler's (older) weights
     off_policy_correction: Literal["none", "tis"] = "none"
-    tis_cap: float = Field(2.0, ge=1.0)
+    tis_cap: float = Field(2.0, ge=1.0)  # truncated importance sampling: the largest per-token weight
     # efficiency (learner/microbatch.py, learner/fsdp.py)
     micro_batch_tokens: int = Field(0, ge=0)  # padded tokens per micro-batch (grad accumulation); 0 = one pass
     length_grouping: bool = True  # micro-batches of similar lengths, padding columns cut
@@ -553,13 +557,13 @@ class CriticConfig(_Section):
     """PPO's value model: the policy's architecture with a scalar head (``score``), initialised from
     the policy's starting weights, trained in the trainer group beside the policy."""
 
-    lr: float = Field(1e-3, gt=0)
-    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    lr: float = Field(1e-3, gt=0)  # critic AdamW learning rate
+    betas: Annotated[tuple[float, float], AfterValidator(_betas)] = (0.9, 0.99)  # critic AdamW betas
+    weight_decay: float = Field(0.0, ge=0)  # critic AdamW weight decay
+    warmup_steps: int = Field(0, ge=0)  # critic learning-rate warmup steps
+    grad_clip: float = Field(1.0, gt=0)  # critic gradient-norm clip
     value_clip: float | None = Field(0.2, gt=0)  # clip new values to old +- this (None: off)
-    gae_lambda: float = Field(1.0, ge=0, le=1)
+    gae_lambda: float = Field(1.0, ge=0, le=1)  # GAE lambda (1: Monte Carlo returns)
 
 
 class SyncConfig(_Section):
@@ -574,7 +578,8 @@ class SyncConfig(_Section):
 class BackendConfig(_Section):
     """Device, threads and matmul precision, applied in every actor by ``rltpu.chips.backend``."""
 
-    device: Literal["auto", "tpu", "cuda", "cpu"] = "auto"
+    device: Literal["auto", "tpu", "cuda", "cpu"] = "auto"  # auto: TPU when the chip is real, else CPU
+    # float32 matmul precision (torch set_float32_matmul_precision / JAX's)
     matmul_precision: Literal["medium", "high", "highest"] = "highest"
     threads: int = Field(1, ge=1)  # torch/XLA intra-op threads per actor (Ray sets OMP to 1)
     # TorchTPU eager mode on real chips: fuse (DeferAndFuse, default), strict (async per op), debug
@@ -583,33 +588,41 @@ class BackendConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(0, ge=0)  # 0: only the final (and Ctrl-C) checkpoint
+    """Periodic checkpoints in ``<run_dir>/checkpoint`` (``rltpu.control.checkpoints``): after a step when
+    ``every_steps`` steps or ``every_minutes`` minutes have passed since the last one, whichever comes first,
+    and always at the end and on Ctrl-C/SIGTERM. A trainer restart or ``--resume`` loses at most that much."""
+
+    every_steps: int = Field(10, ge=0)  # a checkpoint every N steps (0: off; every_minutes may still save)
+    every_minutes: float = Field(30.0, ge=0, le=DAY_S / 60)  # and one when this long has passed since the last (0: off)
     keep_last: int = Field(2, ge=1, le=100)  # checkpoint/, checkpoint.prev/, checkpoint.prev2/ ...: a corrupt latest falls back
+    # also write a Hugging Face directory (config.json, safetensors, tokenizer) as <checkpoint>/hf, each trainer
+    # rank writing its share of the tensors: transformers' from_pretrained loads it, no `rltpu export` needed
+    hf_export: bool = False
 
 
 class PhaseDeadlines(_Section):
     """Seconds an actor may stay in one phase before it is declared hung, fenced and replaced."""
 
-    compiling: float = Field(1800.0, gt=0, le=DAY_S)
-    loading: float = Field(1800.0, gt=0, le=DAY_S)
-    sampling: float = Field(600.0, gt=0, le=DAY_S)
-    scoring: float = Field(600.0, gt=0, le=DAY_S)
-    training: float = Field(600.0, gt=0, le=DAY_S)
-    syncing: float = Field(120.0, gt=0, le=DAY_S)
-    checkpointing: float = Field(600.0, gt=0, le=DAY_S)
+    compiling: float = Field(1800.0, gt=0, le=DAY_S)  # sampler program compilation (all buckets)
+    loading: float = Field(1800.0, gt=0, le=DAY_S)  # building engines, loading weights or a checkpoint
+    sampling: float = Field(600.0, gt=0, le=DAY_S)  # one generate call
+    scoring: float = Field(600.0, gt=0, le=DAY_S)  # one reward or reward-model call batch
+    training: float = Field(600.0, gt=0, le=DAY_S)  # one update
+    syncing: float = Field(120.0, gt=0, le=DAY_S)  # one weight sync
+    checkpointing: float = Field(600.0, gt=0, le=DAY_S)  # one checkpoint save
     # start-up and supervision steps: each remote call waits at most this long, and an actor
     # reporting the phase longer than this is fenced (none of them runs as the deadline-free "idle")
     identity: float = Field(300.0, gt=0, le=DAY_S)  # includes starting the process (imports)
-    claim: float = Field(300.0, gt=0, le=DAY_S)
-    rendezvous: float = Field(300.0, gt=0, le=DAY_S)
-    join_sync: float = Field(300.0, gt=0, le=DAY_S)
-    probe: float = Field(300.0, gt=0, le=DAY_S)
+    claim: float = Field(300.0, gt=0, le=DAY_S)  # an actor claiming its chips
+    rendezvous: float = Field(300.0, gt=0, le=DAY_S)  # forming the process groups
+    join_sync: float = Field(300.0, gt=0, le=DAY_S)  # joining the weight-sync fabric
+    probe: float = Field(300.0, gt=0, le=DAY_S)  # layout, memory and logit probes
 
 
 class HealthConfig(_Section):
     """Heartbeats, deadlines and restarts (``rltpu.observe.health``)."""
 
-    enabled: bool = True
+    enabled: bool = True  # heartbeats, phase deadlines, fencing and restarts (false: a failure ends the job)
     heartbeat_s: float = Field(1.0, gt=0, le=DAY_S)  # each actor reports this often, from its own thread
     heartbeat_timeout_s: float = Field(60.0, gt=0, le=DAY_S)  # silence longer than this (e.g. SIGSTOP): hung
     deadlines: PhaseDeadlines = PhaseDeadlines()
@@ -624,7 +637,7 @@ class HealthConfig(_Section):
 
 class DashboardConfig(_Section):
     enabled: bool = False  # `rltpu train` serves the live page while it runs
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # bind address of the live page
     port: int = Field(8266, ge=0, le=65535)  # 0: any free port (printed at start)
     allow_remote: bool = False  # a non-loopback host serves the run to the network: say so explicitly
 
@@ -639,9 +652,21 @@ class DashboardConfig(_Section):
 class LoggersConfig(_Section):
     """metrics.jsonl is always written; these add the optional loggers (the `loggers` extra)."""
 
-    tensorboard: bool = False
-    wandb: bool = False  # offline mode: files under run_dir/wandb, nothing sent
-    mlflow: bool = False  # local SQLite store: run_dir/mlflow.db (mlflow ui --backend-store-uri sqlite:///...)
+    tensorboard: bool = False  # event files in run_dir/tensorboard (`tensorboard` extra)
+    wandb: bool = False  # Weights & Biases (`wandb` extra); files under run_dir/wandb
+    # None: WANDB_MODE, else offline (nothing sent; `wandb sync run_dir/wandb/offline-run-*` uploads later)
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_project: str | None = None  # None: WANDB_PROJECT, else "rltpu"
+    wandb_entity: str | None = None  # None: WANDB_ENTITY, else the account's default team
+    wandb_name: str | None = None  # run name; None: WANDB_NAME, else the config's name
+    wandb_tags: tuple[str, ...] | None = None  # None: WANDB_TAGS (comma-separated), else none
+    # the W&B run to continue; None: WANDB_RUN_ID, else the id this run dir saved (--resume continues its curve)
+    wandb_id: str | None = None
+    wandb_resume: Literal["allow", "must", "never"] | None = None  # None: WANDB_RESUME, else "allow"
+    mlflow: bool = False  # MLflow (`mlflow` extra)
+    # None: MLFLOW_TRACKING_URI, else a SQLite store in run_dir/mlflow.db (mlflow ui --backend-store-uri sqlite:///...)
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str | None = None  # None: MLFLOW_EXPERIMENT_NAME, else "rltpu"
     samples: int = Field(0, ge=0)  # rows per step written as text to run_dir/samples.jsonl (one per prompt group)
 
 
@@ -652,6 +677,9 @@ class PlannerConfig(_Section):
     hf_config: str | None = None  # a Hugging Face config.json: model sizes to plan for (no weights needed)
     prompt_len: int | None = Field(None, ge=1)  # default: the largest sampler.prompt_buckets entry
     response_len: int | None = Field(None, ge=1)  # default: sampler.max_new_tokens
+    # mean generated tokens per row (long tails: well below response_len); the continuous engine's waves and
+    # the tokens/s headline use it. Default: response_len (every row runs to the limit)
+    mean_response_len: int | None = Field(None, ge=1)
     critic: bool = False  # plan room and time for a value model as large as the policy
     reward_model_params: float = Field(0.0, ge=0)  # a separate reward model's parameter count (0: rule-based)
 
@@ -687,7 +715,7 @@ class RunConfig(_Section):
     dashboard: DashboardConfig = DashboardConfig()
     loggers: LoggersConfig = LoggersConfig()
     planner: PlannerConfig = PlannerConfig()
-    progress: bool = True
+    progress: bool = True  # a progress bar on stderr while training (false for logs and CI)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -778,6 +806,9 @@ def _check_env(cfg: "RunConfig") -> None:
 def _check_lora(cfg: "RunConfig") -> None:
     """What LoRA does not run with yet, each refused in one line before Ray starts."""
     lora = cfg.trainer.lora
+    if cfg.checkpoint.hf_export:
+        raise ValueError("checkpoint.hf_export with trainer.lora is not supported (a LoRA checkpoint holds only the "
+                         "adapters); export one with `rltpu export RUN_DIR/checkpoint OUT [--adapters]`")
     if "lm_head" in lora.target_modules and "target_modules" in lora.model_fields_set and cfg.model.tie_word_embeddings:
         raise ValueError("trainer.lora.target_modules has 'lm_head', but this model ties it to the embeddings "
                          "(tie_word_embeddings); remove lm_head from the list")
@@ -802,7 +833,7 @@ def _format_error(err: ValidationError) -> str:
     kind = e["type"]
     value = e.get("input")
     if kind == "extra_forbidden":
-        return f"unknown config key '{key}' (check the spelling; see configs/quickstart.yaml for the keys)"
+        return f"unknown config key '{key}'{_did_you_mean(e['loc'])} (docs/config.md lists every key)"
     msg = e["msg"].removeprefix("Value error, ")
     if isinstance(value, dict) and kind == "value_error":
         return f"config section '{key}': {msg}" if e["loc"] else f"config: {msg}"
@@ -812,6 +843,51 @@ def _format_error(err: ValidationError) -> str:
     if kind.startswith("missing"):
         return f"config key '{key}' is required"
     return f"config key '{key}' has bad value {shown}: {msg}"
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """``; did you mean 'trainer.lr'?`` for a misspelt key: the closest key of its section (difflib),
+    or of the whole schema when the section itself is unknown; empty when nothing is close."""
+    import difflib
+
+    model, parents = RunConfig, []
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        sub = _section_type(field.annotation) if field is not None else None
+        if sub is None:
+            break
+        model, parents = sub, [*parents, str(part)]
+    else:
+        names = list(model.model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean '{'.'.join([*parents, close[0]])}'?"
+    dotted = ".".join(str(p) for p in loc)
+    keys = [k for k, _f, _m in walk_fields(RunConfig)]
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The config section class inside an annotation (``LoraConfig | None`` -> LoraConfig), or None."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def walk_fields(model: type[BaseModel], prefix: str = ""):
+    """Every leaf key of a section, depth first in declaration order: ``(dotted key, FieldInfo, owner class)``."""
+    for name, field in model.model_fields.items():
+        sub = _section_type(field.annotation)
+        if sub is not None:
+            yield from walk_fields(sub, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field, model
 
 
 def _parse_scalar(text: str) -> Any:
@@ -913,3 +989,219 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: docs/config.md is generated from this schema (python -m rltpu.config --markdown > docs/config.md)
+
+# What a TRL (GRPOConfig) or verl (ppo_trainer.yaml) user knows a setting as -> the rltpu key. The unknown-key
+# error suggests the rltpu key when one of these names is typed, and docs/config.md prints the table.
+FOREIGN_NAMES: tuple[tuple[str, str, str, str], ...] = (
+    # (library, their name, rltpu key, note)
+    ("TRL", "model_name_or_path", "model.path", ""),
+    ("TRL", "dataset_name", "task.dataset", ""),
+    ("TRL", "num_generations", "sampler.group_size", "completions per prompt"),
+    ("TRL", "beta", "trainer.kl_coef", "0 drops the reference model"),
+    ("TRL", "epsilon", "trainer.clip_eps", ""),
+    ("TRL", "epsilon_high", "trainer.clip_eps_high", "DAPO clip-higher"),
+    ("TRL", "learning_rate", "trainer.lr", ""),
+    ("TRL", "max_grad_norm", "trainer.grad_clip", ""),
+    ("TRL", "adam_beta1", "trainer.betas", "[beta1, beta2]"),
+    ("TRL", "weight_decay", "trainer.weight_decay", ""),
+    ("TRL", "warmup_steps", "trainer.warmup_steps", ""),
+    ("TRL", "num_iterations", "trainer.ppo_epochs", "updates per batch"),
+    ("TRL", "loss_type", "trainer.algorithm", "grpo, dr_grpo -> drgrpo; the aggregation is trainer.loss_agg_mode"),
+    ("TRL", "scale_rewards", "trainer.scale_rewards", ""),
+    ("TRL", "max_prompt_length", "sampler.prompt_buckets", "the largest bucket"),
+    ("TRL", "max_completion_length", "sampler.max_new_tokens", ""),
+    ("TRL", "temperature", "sampler.temperature", ""),
+    ("TRL", "reward_funcs", "task.reward_fn", "module:function"),
+    ("TRL", "max_steps", "trainer.steps", ""),
+    ("TRL", "gradient_checkpointing", "trainer.activation_checkpointing", ""),
+    ("TRL", "bf16", "trainer.mixed_precision", "bf16"),
+    ("TRL", "output_dir", "run_dir", ""),
+    ("TRL", "run_name", "name", "also loggers.wandb_name"),
+    ("TRL", "save_steps", "checkpoint.every_steps", ""),
+    ("TRL", "save_total_limit", "checkpoint.keep_last", ""),
+    ("TRL", "eval_steps", "eval.every_steps", ""),
+    ("TRL", "report_to", "loggers.wandb", "loggers.wandb / mlflow / tensorboard = true"),
+    ("TRL", "resume_from_checkpoint", "checkpoint.every_steps", "`rltpu train ... --resume [PATH]`"),
+    ("verl", "actor_rollout_ref.model.path", "model.path", ""),
+    ("verl", "data.train_files", "task.dataset", ""),
+    ("verl", "data.val_files", "eval.dataset", ""),
+    ("verl", "data.train_batch_size", "trainer.prompts_per_step", "prompts per step"),
+    ("verl", "data.max_prompt_length", "sampler.prompt_buckets", "the largest bucket"),
+    ("verl", "data.max_response_length", "sampler.max_new_tokens", ""),
+    ("verl", "actor_rollout_ref.rollout.n", "sampler.group_size", ""),
+    ("verl", "actor_rollout_ref.rollout.temperature", "sampler.temperature", ""),
+    ("verl", "actor_rollout_ref.rollout.top_p", "sampler.top_p", ""),
+    ("verl", "actor_rollout_ref.actor.optim.lr", "trainer.lr", ""),
+    ("verl", "actor_rollout_ref.actor.grad_clip", "trainer.grad_clip", ""),
+    ("verl", "actor_rollout_ref.actor.ppo_epochs", "trainer.ppo_epochs", ""),
+    ("verl", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "trainer.micro_batch_tokens", "per trainer rank"),
+    ("verl", "actor_rollout_ref.actor.clip_ratio", "trainer.clip_eps", ""),
+    ("verl", "actor_rollout_ref.actor.clip_ratio_high", "trainer.clip_eps_high", ""),
+    ("verl", "actor_rollout_ref.actor.clip_ratio_c", "trainer.dual_clip_c", ""),
+    ("verl", "actor_rollout_ref.actor.kl_loss_coef", "trainer.kl_coef", "use_kl_loss: kl_coef > 0"),
+    ("verl", "actor_rollout_ref.actor.kl_loss_type", "trainer.kl_estimator", "kl -> k1, mse -> k2, low_var_kl -> k3"),
+    ("verl", "actor_rollout_ref.actor.entropy_coeff", "trainer.entropy_coef", ""),
+    ("verl", "actor_rollout_ref.actor.loss_agg_mode", "trainer.loss_agg_mode", "same names"),
+    ("verl", "actor_rollout_ref.model.enable_gradient_checkpointing", "trainer.activation_checkpointing", ""),
+    ("verl", "algorithm.adv_estimator", "trainer.algorithm", "reinforce_plus_plus -> reinforce_pp, gae -> ppo"),
+    ("verl", "algorithm.norm_adv_by_std_in_grpo", "trainer.scale_rewards", ""),
+    ("verl", "algorithm.use_kl_in_reward", "trainer.kl_in_reward", ""),
+    ("verl", "algorithm.kl_ctrl.kl_coef", "trainer.kl_coef", "with trainer.kl_in_reward=true"),
+    ("verl", "algorithm.gamma", "trainer.gamma", ""),
+    ("verl", "algorithm.lam", "critic.gae_lambda", ""),
+    ("verl", "algorithm.filter_groups.enable", "trainer.dynamic_sampling", "DAPO"),
+    ("verl", "algorithm.filter_groups.max_num_gen_batches", "trainer.max_sample_rounds", ""),
+    ("verl", "critic.optim.lr", "critic.lr", ""),
+    ("verl", "critic.cliprange_value", "critic.value_clip", ""),
+    ("verl", "custom_reward_function.path", "task.reward_fn", "module:function"),
+    ("verl", "trainer.total_training_steps", "trainer.steps", ""),
+    ("verl", "trainer.save_freq", "checkpoint.every_steps", ""),
+    ("verl", "trainer.max_actor_ckpt_to_keep", "checkpoint.keep_last", ""),
+    ("verl", "trainer.test_freq", "eval.every_steps", ""),
+    ("verl", "trainer.default_local_dir", "run_dir", ""),
+    ("verl", "trainer.project_name", "loggers.wandb_project", "MLflow: loggers.mlflow_experiment"),
+    ("verl", "trainer.experiment_name", "loggers.wandb_name", "or name"),
+    ("verl", "trainer.logger", "loggers.wandb", "loggers.wandb / mlflow / tensorboard = true"),
+    ("verl", "trainer.resume_from_path", "checkpoint.every_steps", "`rltpu train ... --resume PATH`"),
+)
+
+
+def foreign_name(key: str) -> tuple[str, str] | None:
+    """``(library, rltpu key)`` when ``key`` (dotted, any prefix of sections) is a TRL or verl name."""
+    for lib, theirs, ours, _note in FOREIGN_NAMES:
+        if key == theirs or key.endswith("." + theirs) or (lib == "TRL" and key.rsplit(".", 1)[-1] == theirs):
+            return lib, ours
+    return None
+
+
+def _annotation_text(annotation: Any) -> str:
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin is Annotated:
+        return _annotation_text(args[0])
+    if origin in (typing.Union, __import__("types").UnionType):
+        return " | ".join(_annotation_text(a) for a in args)
+    if origin in (tuple, list):
+        inner = _annotation_text(args[0]) if args else "any"
+        return f"list[{inner}]" if (len(args) != 2 or args[1] is Ellipsis) else f"[{inner}, {_annotation_text(args[1])}]"
+    if origin is dict:
+        return "mapping"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(field) -> str:
+    out = []
+    for m in field.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                out.append(f"{sym} {getattr(m, attr):g}")
+    return ", ".join(out)
+
+
+def _default_text(field) -> str:
+    from pydantic_core import PydanticUndefined
+
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if value is PydanticUndefined:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def source_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the class source: the comment lines right above it and its trailing one."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    src = textwrap.dedent(inspect.getsource(cls))
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+    lines = src.splitlines()
+    out = {}
+    for node in ast.parse(src).body[0].body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        above, n = [], node.lineno - 1
+        while n >= 1 and lines[n - 1].strip().startswith("#"):
+            above.insert(0, comments.get(n, ""))
+            n -= 1
+        trailing = [comments[i] for i in range(node.lineno, node.end_lineno + 1) if i in comments
+                    and not lines[i - 1].strip().startswith("#")]
+        out[node.target.id] = " ".join(t for t in (*above, *trailing) if t)
+    return out
+
+
+def field_meaning(owner: type, name: str) -> str:
+    field = owner.model_fields[name]
+    return field.description or source_comments(owner).get(name, "")
+
+
+def markdown() -> str:
+    """docs/config.md: every key of the schema with its type, default and meaning, section by section,
+    then the TRL / verl names table. Kept current by tests/test_config_docs.py."""
+    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    out = ["# Config reference", "",
+           "Generated from the schema in `rltpu/config.py` by `python -m rltpu.config --markdown > docs/config.md`",
+           "(tests/test_config_docs.py fails when this file is stale). Keys are dotted paths: in YAML, nest them",
+           "(`trainer: {lr: 3e-3}`); on the command line, `rltpu train CONFIG trainer.lr=3e-3`. Sections marked",
+           "*optional* are absent unless the config has them. A misspelt key is refused with the closest one;",
+           "a TRL or verl name gets the rltpu key (table at the end).", ""]
+    sections: dict[str, tuple[type, list[str]]] = {"": (RunConfig, [])}
+    for key, _field, owner in walk_fields(RunConfig):
+        prefix = key.rpartition(".")[0]
+        sections.setdefault(prefix, (owner, []))[1].append(key)
+    for prefix, (owner, keys) in sections.items():
+        title = f"`{prefix}`" if prefix else "Top level"
+        out.append(f"## {title}")
+        out.append("")
+        parent, _, last = prefix.rpartition(".")
+        if prefix:
+            holder = RunConfig
+            for part in parent.split(".") if parent else []:
+                holder = _section_type(holder.model_fields[part].annotation)
+            f = holder.model_fields[last]
+            if not f.is_required() and f.default is None:
+                out += ["*Optional section* (absent by default).", ""]
+        doc = (owner.__doc__ or "").strip()
+        if doc and owner is not RunConfig:
+            out += [" ".join(doc.split()), ""]
+        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        comments = source_comments(owner)
+        for key in keys:
+            name = key.rpartition(".")[2]
+            field = owner.model_fields[name]
+            kind = _annotation_text(field.annotation)
+            bounds = _bounds(field)
+            meaning = field.description or comments.get(name, "")
+            out.append(f"| `{key}` | {cell(kind)}{cell(f' ({bounds})') if bounds else ''} | "
+                       f"`{cell(_default_text(field))}` | {cell(meaning)} |")
+        out.append("")
+    out += ["## TRL and verl names", "",
+            "What a setting is called in TRL's `GRPOConfig` / verl's `ppo_trainer.yaml`, and its rltpu key.", "",
+            "| library | their name | rltpu key | note |", "|---|---|---|---|"]
+    for lib, theirs, ours, note in FOREIGN_NAMES:
+        out.append(f"| {lib} | `{theirs}` | `{ours}` | {cell(note)} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m rltpu.config --markdown > docs/config.md")
+    sys.stdout.write(markdown())
