@@ -195,9 +195,13 @@ class ModelConfig(_Section):
 
     With ``path`` (a local Hugging Face directory) every field in ``ARCH_FIELDS`` comes from its
     config.json (``rltpu.models.hf.config``); the same field also set in the YAML must agree with it.
+    A Hub id there is replaced by its local snapshot directory before validation (``rltpu.data.hub``).
     """
 
-    path: str | None = None  # local HF model dir (config.json + safetensors); never a hub id
+    # a local HF model dir (config.json + safetensors), or a Hugging Face Hub id (org/name) that rltpu train/plan
+    # resolve once, in the driver, to its snapshot in the HF cache (HF_HOME; HF_HUB_OFFLINE=1: cache only)
+    path: str | None = None
+    revision: str | None = None  # Hub branch, tag or commit of a path given as a Hub id (None: main)
     architecture: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"  # HF family (for export)
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(256, ge=8)
@@ -271,16 +275,50 @@ class ModelConfig(_Section):
         return self.sliding_window
 
 
-DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name (rltpu.data.hub resolves it)
+PROMPT_FORMAT_KEYS = ("system_prompt", "prompt_template", "chat_template", "chat_template_kwargs")  # eval inherits
+WEIGHTED_SUM = "rltpu.data.rewards:weighted_sum"  # what task.rewards runs as
+
+
+def check_dataset_name(value: str) -> str:
+    """A dataset's shape (its existence is checked where it is read, in the driver): a file with a known
+    suffix, a glob, a directory or a Hub id; ValueError (one line) otherwise."""
+    last = value.rstrip("/").rpartition("/")[2]
+    if value.lower().endswith(DATASET_SUFFIXES) or any(c in value for c in "*?[") or HUB_ID.fullmatch(value) \
+            or "." not in last.lstrip("."):
+        return value
+    raise ValueError(f"dataset {value!r} must be a {', '.join(DATASET_SUFFIXES)} file, a glob of them, a directory "
+                     f"or a Hugging Face Hub dataset id (org/name)")
+
+
+class RewardTerm(_Section):
+    """One function of ``task.rewards``: ``weight * fn(completion, example, **kwargs)``."""
+
+    fn: str  # module:function, as task.reward_fn
+    weight: float = 1.0
+    kwargs: dict[str, Any] = {}  # keyword arguments bound to fn
+
+    @field_validator("fn")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"fn must be 'module:function', got {v!r}")
+        return v
 
 
 class TaskConfig(_Section):
     """The prompt source and the reward.
 
     Without ``dataset`` a built-in synthetic task (``name``) is used: no download, char tokenizer.
-    With ``dataset`` prompts come from a JSONL/JSON/Parquet file (``rltpu.data.sources``): a text
-    column ``prompt_key`` or chat messages ``messages_key`` (rendered with the tokenizer's chat
-    template); every other column reaches the reward function in ``example``.
+    With ``dataset`` prompts come from a JSONL/JSON/Parquet file, or through ``datasets.load_dataset``
+    from a CSV file, a glob, a directory or a Hub id (``rltpu.data.sources``): a text column
+    ``prompt_key`` or chat messages ``messages_key`` (rendered with the tokenizer's chat template);
+    every other column reaches the reward function in ``example``. ``chat_template: true`` renders text
+    prompts (through ``prompt_template``) as a user turn after ``system_prompt``.
+
+    ``rewards`` (several functions, weighted) runs as ``reward_fn = rltpu.data.rewards:weighted_sum``
+    with ``reward_kwargs = {terms: [...]}``: every consumer of ``reward_fn`` sees the sum.
     """
 
     name: Literal["copy", "reverse", "sort", "calc", "guess", "lookup"] = "copy"  # calc, guess, lookup: through env
@@ -288,6 +326,9 @@ class TaskConfig(_Section):
     min_digits: int = Field(3, ge=1)
     max_digits: int = Field(5, ge=1)
     reward_fn: str = "rltpu.data.rewards:partial_credit"  # any importable ``module:function``
+    # several reward functions, weighted: [{fn, weight, kwargs}, ...] (TRL's reward_funcs + reward_weights);
+    # the reward is sum(weight * fn(completion, example)); instead of reward_fn
+    rewards: tuple[RewardTerm, ...] | None = None
     reward_weight: float = Field(1.0, ge=0)  # weight of reward_fn beside a reward model (0: model only)
     reward_kwargs: dict[str, Any] = {}  # keyword arguments bound to reward_fn (e.g. {column: answer})
     # reward_fn runs in CPU-only Ray workers (no chips), each call under a deadline; a call that raises,
@@ -298,11 +339,21 @@ class TaskConfig(_Section):
     reward_default: float = 0.0
     reward_max_failure_frac: float = Field(0.1, ge=0, le=1)  # more failed calls in a step stop the job
     num_prompts: int = Field(100_000, ge=1)  # size of the synthetic dataset (cycled by epoch)
-    dataset: str | None = None  # prompt file (.jsonl / .json / .parquet); None = the synthetic task
+    # prompts: a .jsonl/.json/.parquet/.csv file, a glob, a directory or a Hub dataset id (org/name); None: synthetic
+    dataset: str | None = None
+    subset: str | None = None  # the dataset's configuration (datasets' name), e.g. openai/gsm8k's "main"
+    split: str = "train"  # the split read from a Hub id or a directory (files and globs are one split)
+    revision: str | None = None  # Hub branch, tag or commit of a dataset id (None: main)
     prompt_key: str = "prompt"  # text prompt column
     messages_key: str = "messages"  # chat column: a list of {role, content}; used when a row has it
     shuffle: bool = True  # reshuffle the file every epoch (by seed and epoch); False = file order
     tokenizer: str | None = None  # local HF tokenizer dir; None = model.path if set, else the char tokenizer
+    # the prompt text of a row: prompt_template.format(**row) (e.g. "{question}\nEnd with: #### <answer>"),
+    # else its prompt_key column
+    prompt_template: str | None = None
+    chat_template: bool = False  # render text prompts as a user turn with the tokenizer's chat template
+    system_prompt: str | None = None  # a system turn before each chat prompt (rows with their own system turn keep it)
+    chat_template_kwargs: dict[str, Any] = {}  # extra chat-template variables, e.g. {enable_thinking: false} (Qwen3)
 
     @model_validator(mode="after")
     def _range(self) -> "TaskConfig":
@@ -310,11 +361,21 @@ class TaskConfig(_Section):
             raise ValueError(f"min_digits={self.min_digits} > max_digits={self.max_digits}")
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
             raise ValueError(f"reward_fn must be 'module:function', got {self.reward_fn!r}")
-        if self.dataset is not None and not self.dataset.lower().endswith(DATASET_SUFFIXES):
-            raise ValueError(f"dataset {self.dataset!r} must end in {', '.join(DATASET_SUFFIXES)} "
-                             f"(JSON Lines, a JSON list of objects, or Parquet)")
+        if self.dataset is not None:
+            check_dataset_name(self.dataset)
         if self.prompt_key == self.messages_key:
             raise ValueError(f"prompt_key and messages_key are both {self.prompt_key!r}; they name different columns")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt is a turn of the chat template: set task.chat_template=true too")
+        if self.rewards is not None:
+            if not self.rewards:
+                raise ValueError("rewards is empty; list at least one {fn, weight} or use reward_fn")
+            terms = {"terms": [t.model_dump() for t in self.rewards]}
+            mine = self.reward_fn == WEIGHTED_SUM and self.reward_kwargs == terms  # a saved config read back
+            if not mine and ({"reward_fn", "reward_kwargs"} & self.model_fields_set):
+                raise ValueError("set rewards (several weighted functions) or reward_fn / reward_kwargs, not both")
+            object.__setattr__(self, "reward_fn", WEIGHTED_SUM)  # frozen: set once, here, while validating
+            object.__setattr__(self, "reward_kwargs", terms)
         return self
 
 
@@ -352,9 +413,17 @@ class EvalConfig(_Section):
     ``correct_threshold``.
     """
 
-    dataset: str  # .jsonl / .json / .parquet, the same row format as task.dataset
+    dataset: str  # the same kinds and row format as task.dataset (a file, glob, directory or Hub id)
+    subset: str | None = None  # the dataset's configuration, as task.subset
+    split: str = "test"  # the split read from a Hub id or a directory
+    revision: str | None = None  # Hub branch, tag or commit of a dataset id
     prompt_key: str = "prompt"
     messages_key: str = "messages"
+    # the prompt format; unset: the task's (task.prompt_template, chat_template, system_prompt, chat_template_kwargs)
+    prompt_template: str | None = None
+    chat_template: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}
     every_steps: int = Field(0, ge=0)  # 0: only at the end
     at_end: bool = True
     greedy: bool = True
@@ -365,8 +434,9 @@ class EvalConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        if not self.dataset.lower().endswith(DATASET_SUFFIXES):
-            raise ValueError(f"dataset {self.dataset!r} must end in {', '.join(DATASET_SUFFIXES)}")
+        check_dataset_name(self.dataset)
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt is a turn of the chat template: set eval.chat_template=true too")
         if self.samples and self.k > self.samples:
             raise ValueError(f"k={self.k} is larger than samples={self.samples}: pass@k needs at least k samples per "
                              f"prompt; raise eval.samples or lower eval.k")
@@ -547,7 +617,8 @@ class RewardModelConfig(_Section):
     its own chips (``placement.reward_chips``). It scores prompt + completion with the policy's
     tokenizer; its score is added to ``task.reward_weight * reward_fn``."""
 
-    path: str
+    path: str  # a local directory or a Hub id (org/name), as model.path
+    revision: str | None = None  # Hub branch, tag or commit of a path given as a Hub id
     weight: float = Field(1.0, ge=0)
     normalize: bool = False  # standardise the model's scores over each step's batch
     clip: float | None = Field(None, gt=0)  # clip the (normalised) score to +- this
@@ -716,6 +787,17 @@ class RunConfig(_Section):
     loggers: LoggersConfig = LoggersConfig()
     planner: PlannerConfig = PlannerConfig()
     progress: bool = True  # a progress bar on stderr while training (false for logs and CI)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_prompt_format(cls, data: Any) -> Any:
+        """eval: takes the task's prompt format for every format key it does not set itself."""
+        if not isinstance(data, dict) or not isinstance(data.get("eval"), dict):
+            return data
+        task = data.get("task") or {}
+        get = task.get if isinstance(task, dict) else (lambda k: getattr(task, k, None))
+        inherited = {k: get(k) for k in PROMPT_FORMAT_KEYS if k not in data["eval"] and get(k) is not None}
+        return {**data, "eval": {**inherited, **data["eval"]}} if inherited else data
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

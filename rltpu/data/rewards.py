@@ -2,7 +2,10 @@
 
 Pluggable by import path (``task.reward_fn: "my_pkg.rewards:exact"``); the example dict carries the
 prompt and any extra fields (the synthetic tasks' ``answer``, or every extra column of a dataset
-file). ``task.reward_kwargs`` binds keyword arguments (e.g. ``{column: reference}``).
+file). ``task.reward_kwargs`` binds keyword arguments (e.g. ``{column: reference}``). Several
+functions, weighted (TRL's ``reward_funcs`` + ``reward_weights``): ``task.rewards: [{fn, weight,
+kwargs}, ...]``, run as one call of :func:`weighted_sum`. A verl ``compute_score(data_source,
+solution_str, ground_truth, extra_info)`` runs through :func:`verl_score`.
 
 ``DeadlineRunner`` is what a reward worker (``actors/reward_worker.py``) runs the function with:
 calls overlap on threads, each under ``task.reward_timeout_s``; a call that raises, returns a
@@ -74,6 +77,68 @@ def exact_answer(completion: str, example: dict, column: str = "answer") -> floa
     return float(any(got == normalize_answer(r) for r in refs))
 
 
+WEIGHTED_SUM = "rltpu.data.rewards:weighted_sum"  # what task.rewards runs as (rltpu.config.TaskConfig)
+
+
+@functools.lru_cache(maxsize=64)
+def _terms(key: str) -> tuple[tuple[str, RewardFn, float], ...]:
+    import json
+
+    return tuple((t["fn"], load_reward_fn(t["fn"], t.get("kwargs") or {}), float(t.get("weight", 1.0)))
+                 for t in json.loads(key))
+
+
+def _terms_key(terms: list[dict]) -> str:
+    import json
+
+    return json.dumps([{"fn": t["fn"], "weight": t.get("weight", 1.0), "kwargs": t.get("kwargs") or {}}
+                       for t in terms], sort_keys=True)
+
+
+def weighted_sum(completion: str, example: dict, terms: list[dict]) -> float:
+    """``sum(weight * fn(completion, example))`` over ``terms`` (``[{fn, weight, kwargs}, ...]``, from
+    ``task.rewards``); each function is imported once per process. A term that raises fails the call,
+    named by its function."""
+    total = 0.0
+    for path, fn, weight in _terms(_terms_key(terms)):
+        try:
+            value = float(fn(completion, example))
+        except Exception as err:  # noqa: BLE001 - one line naming the term (the runner reports it)
+            raise RuntimeError(f"{path}: {_first_line(err)}") from None
+        total += weight * value
+    return total
+
+
+def _dig(example: dict, key: str):
+    """``example[key]``; a dotted key reads nested columns (verl parquet: ``reward_model.ground_truth``)."""
+    node = example
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"rltpu.data.rewards:verl_score: the example has no '{key}' column (it has: "
+                              f"{', '.join(map(str, example))}); set the term's kwargs ground_truth / data_source")
+        node = node[part]
+    return node
+
+
+def verl_score(completion: str, example: dict, fn: str, ground_truth: str = "answer",
+               data_source: str | None = "data_source") -> float:
+    """Run a verl reward function ``fn`` (``module:function`` with verl's signature
+    ``compute_score(data_source, solution_str, ground_truth, extra_info)``) on an rltpu call: the
+    ground truth and data source come from those columns (dotted for nested ones; a missing data
+    source column passes ``""``), ``extra_info`` is the whole example, and a dict result (verl's
+    ``{"score": ...}``) gives its ``score``."""
+    score_fn = load_reward_fn(fn)
+    source = ""
+    if data_source is not None:
+        try:
+            source = _dig(example, data_source)
+        except ConfigError:
+            pass
+    out = score_fn(data_source=source, solution_str=completion, ground_truth=_dig(example, ground_truth),
+                   extra_info=example)
+    return float(out["score"] if isinstance(out, dict) else out)
+
+
 def _column(example: dict, column: str, fn: str):
     """``example[column]``, or a one-line error naming the reward function and the fix."""
     if column not in example:
@@ -109,6 +174,10 @@ def load_reward_fn(path: str, kwargs: dict | None = None) -> RewardFn:
     except TypeError as err:
         raise ValueError(f"task.reward_kwargs {sorted(kwargs)} do not fit {path} ({err}); "
                          f"use the function's keyword parameters") from None
+    if fn is weighted_sum:  # task.rewards: import every term now (the driver's check before Ray starts)
+        _terms(_terms_key(kwargs["terms"]))
+    elif fn is verl_score and "fn" in kwargs:
+        load_reward_fn(kwargs["fn"])
     return functools.partial(fn, **kwargs)
 
 
