@@ -8,6 +8,7 @@ what is allowed; the CLI turns it into exit code 2 without a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -915,7 +916,7 @@ def _format_error(err: ValidationError) -> str:
     kind = e["type"]
     value = e.get("input")
     if kind == "extra_forbidden":
-        return f"unknown config key '{key}'{_did_you_mean(e['loc'])} (docs/config.md lists every key)"
+        return f"unknown config key '{key}'{_did_you_mean(e['loc'], value)}"
     msg = e["msg"].removeprefix("Value error, ")
     if isinstance(value, dict) and kind == "value_error":
         return f"config section '{key}': {msg}" if e["loc"] else f"config: {msg}"
@@ -927,11 +928,18 @@ def _format_error(err: ValidationError) -> str:
     return f"config key '{key}' has bad value {shown}: {msg}"
 
 
-def _did_you_mean(loc: tuple) -> str:
-    """``; did you mean 'trainer.lr'?`` for a misspelt key: the closest key of its section (difflib),
-    or of the whole schema when the section itself is unknown; empty when nothing is close."""
+def _did_you_mean(loc: tuple, value: Any = None) -> str:
+    """``; did you mean 'trainer.lr'?`` for a misspelt key: the rltpu key of a TRL or verl name (the
+    unknown key, or a key under it), else the closest key of its section (difflib), else of the whole
+    schema; empty when nothing is close."""
     import difflib
 
+    dotted = ".".join(str(p) for p in loc)
+    for k in [dotted, *(f"{dotted}.{sub}" for sub in _flat_keys(value))]:
+        hit = foreign_name(k)
+        if hit:
+            theirs = k.rsplit(".", 1)[-1] if hit[0] == "TRL" else k
+            return f"; did you mean '{hit[1]}'? ({hit[0]}'s {theirs}; docs/config.md lists every key)"
     model, parents = RunConfig, []
     for part in loc[:-1]:
         field = model.model_fields.get(str(part)) if isinstance(model, type) else None
@@ -943,11 +951,20 @@ def _did_you_mean(loc: tuple) -> str:
         names = list(model.model_fields)
         close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
         if close:
-            return f"; did you mean '{'.'.join([*parents, close[0]])}'?"
-    dotted = ".".join(str(p) for p in loc)
+            return f"; did you mean '{'.'.join([*parents, close[0]])}'? (docs/config.md lists every key)"
     keys = [k for k, _f, _m in walk_fields(RunConfig)]
     close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"; did you mean '{close[0]}'? (docs/config.md lists every key)" if close else \
+        " (docs/config.md lists every key)"
+
+
+def _flat_keys(value: Any, prefix: str = "") -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for k, v in value.items():
+        out += [f"{prefix}{k}", *_flat_keys(v, f"{prefix}{k}.")]
+    return out
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
@@ -1107,7 +1124,7 @@ FOREIGN_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("TRL", "save_total_limit", "checkpoint.keep_last", ""),
     ("TRL", "eval_steps", "eval.every_steps", ""),
     ("TRL", "report_to", "loggers.wandb", "loggers.wandb / mlflow / tensorboard = true"),
-    ("TRL", "resume_from_checkpoint", "checkpoint.every_steps", "`rltpu train ... --resume [PATH]`"),
+    ("TRL", "resume_from_checkpoint", "--resume [PATH]", "a flag of `rltpu train`"),
     ("verl", "actor_rollout_ref.model.path", "model.path", ""),
     ("verl", "data.train_files", "task.dataset", ""),
     ("verl", "data.val_files", "eval.dataset", ""),
@@ -1148,8 +1165,45 @@ FOREIGN_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("verl", "trainer.project_name", "loggers.wandb_project", "MLflow: loggers.mlflow_experiment"),
     ("verl", "trainer.experiment_name", "loggers.wandb_name", "or name"),
     ("verl", "trainer.logger", "loggers.wandb", "loggers.wandb / mlflow / tensorboard = true"),
-    ("verl", "trainer.resume_from_path", "checkpoint.every_steps", "`rltpu train ... --resume PATH`"),
+    ("verl", "trainer.resume_from_path", "--resume [PATH]", "a flag of `rltpu train`; resume_mode=auto is --resume"),
 )
+
+
+# Meanings of keys whose class has no comment on them (sections other work is changing); a comment or a
+# Field(description=...) in the class wins over these.
+_MEANINGS = {
+    "model.hidden_size": "model width (HF hidden_size)",
+    "model.intermediate_size": "MLP inner width",
+    "model.num_hidden_layers": "decoder layers",
+    "model.num_attention_heads": "query heads",
+    "model.num_key_value_heads": "key/value heads (grouped-query attention; divides num_attention_heads)",
+    "model.rope_theta": "RoPE base frequency",
+    "model.rms_norm_eps": "RMSNorm epsilon",
+    "model.max_position_embeddings": "longest sequence (prompt + completion) the model takes",
+    "model.tie_word_embeddings": "the LM head shares the embedding matrix",
+    "model.dtype": "weights' dtype in the sampler (trainers keep fp32 masters; see trainer.mixed_precision)",
+    "model.init_std": "std of the random init (no model.path)",
+    "model.rope_scaling.rope_type": "linear or llama3 frequency scaling",
+    "model.rope_scaling.factor": "context extension factor",
+    "task.min_digits": "synthetic tasks: shortest digit string",
+    "task.max_digits": "synthetic tasks: longest digit string",
+    "task.reward_timeout_s": "seconds one reward_fn call may take (then it scores reward_default)",
+    "task.reward_default": "the reward of a call that failed, timed out or returned a non-finite value",
+    "reward_model.path": "a HF *ForSequenceClassification directory with one label",
+    "reward_model.weight": "the score's weight in the total reward",
+    "eval.prompt_key": "text prompt column of eval.dataset",
+    "eval.messages_key": "chat column of eval.dataset",
+    "eval.at_end": "also evaluate after the last step",
+    "eval.greedy": "greedy completions for eval/accuracy",
+    "eval.k": "k of pass@k and mean@k",
+    "eval.correct_threshold": "a completion is correct when its reward is at least this",
+}
+
+
+def key_meaning(key: str, owner: type, name: str) -> str:
+    """A key's meaning for docs/config.md: Field(description), the class's comment on it, or _MEANINGS."""
+    field = owner.model_fields[name]
+    return field.description or source_comments(owner).get(name) or _MEANINGS.get(key, "")
 
 
 def foreign_name(key: str) -> tuple[str, str] | None:
@@ -1202,6 +1256,7 @@ def _default_text(field) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
+@functools.lru_cache(maxsize=None)
 def source_comments(cls: type) -> dict[str, str]:
     """Each field's comment in the class source: the comment lines right above it and its trailing one."""
     import ast
@@ -1226,11 +1281,6 @@ def source_comments(cls: type) -> dict[str, str]:
                     and not lines[i - 1].strip().startswith("#")]
         out[node.target.id] = " ".join(t for t in (*above, *trailing) if t)
     return out
-
-
-def field_meaning(owner: type, name: str) -> str:
-    field = owner.model_fields[name]
-    return field.description or source_comments(owner).get(name, "")
 
 
 def markdown() -> str:
@@ -1263,13 +1313,12 @@ def markdown() -> str:
         if doc and owner is not RunConfig:
             out += [" ".join(doc.split()), ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        comments = source_comments(owner)
         for key in keys:
             name = key.rpartition(".")[2]
             field = owner.model_fields[name]
             kind = _annotation_text(field.annotation)
             bounds = _bounds(field)
-            meaning = field.description or comments.get(name, "")
+            meaning = key_meaning(key, owner, name)
             out.append(f"| `{key}` | {cell(kind)}{cell(f' ({bounds})') if bounds else ''} | "
                        f"`{cell(_default_text(field))}` | {cell(meaning)} |")
         out.append("")
