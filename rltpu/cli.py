@@ -43,6 +43,17 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
 
 
+def _hub_ids(weights: bool):
+    """Hub ids in model.path, reward_model.path, task.tokenizer, task.dataset, eval.dataset -> local
+    snapshot directories, before validation (rltpu.data.hub); ``weights=False``: a model's config and
+    tokenizer files, not its weights (plan, doctor)."""
+    def prepare(data: dict) -> dict:
+        from rltpu.data.hub import resolve_ids
+
+        return resolve_ids(data, weights=weights)
+    return prepare
+
+
 def preflight_real_chips(cfg, address: str | None) -> None:
     """Before Ray starts: real chips (cluster.emulated=false, or a TPU found on this host) must form a
     placement TorchTPU can run; with an embedded cluster every actor runs here, so this host must be
@@ -144,7 +155,7 @@ def _train(args, interrupts) -> int:
     from rltpu.observe.health import HealthError, PhaseTimeout
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, prepare=_hub_ids(weights=True))
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
         from rltpu.control import rundir
@@ -214,7 +225,7 @@ def _train(args, interrupts) -> int:
 def cmd_doctor(args) -> int:
     """One line per preflight check (rltpu.control.doctor); exit 0 when all pass, 1 when one fails."""
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, prepare=_hub_ids(weights=False))
     except ConfigError as e:
         return _fail(str(e))
     from rltpu.control.doctor import run
@@ -234,7 +245,7 @@ def cmd_plan(args) -> int:
     from rltpu.plan import report as plan_report
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, prepare=_hub_ids(weights=False))
         hardware = args.hardware
         measured = None
         if args.against:

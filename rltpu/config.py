@@ -1061,7 +1061,9 @@ def build_config(data: dict[str, Any]) -> RunConfig:
         raise ConfigError(_format_error(err)) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] | None = None, prepare=None) -> RunConfig:
+    """The YAML file (or defaults) with ``overrides`` applied, validated. ``prepare(data) -> data`` runs on
+    the raw tree first (the CLI passes ``rltpu.data.hub.resolve_ids``: Hub ids -> local directories)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -1083,6 +1085,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file '{p}' must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
     apply_overrides(data, list(overrides or []))
+    if prepare is not None:
+        data = prepare(data)
     return build_config(data)
 
 
