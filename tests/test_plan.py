@@ -131,7 +131,8 @@ def test_1b_on_v6e_8_colocated_fits_but_is_refused_on_real_chips(tmp_path):
     cfg = load_config(write_cfg(
         tmp_path, "l1b", cluster={"generation": "v6e", "topology": "2x4", "emulated": False},
         placement={"sampler_chips": 4, "trainer_chips": 4}, model={**LLAMA_1B, "dtype": "bfloat16"},
-        sampler={"group_size": 8, "max_new_tokens": 256, "batch_buckets": [64], "prompt_buckets": [256]},
+        sampler={"group_size": 8, "max_new_tokens": 256, "batch_buckets": [64], "prompt_buckets": [256],
+                 "engine": "static"},  # a dense cache for the 64-row bucket
         trainer={"prompts_per_step": 8}, backend={"matmul_precision": "medium"}))
     plan = make_plan(cfg)
     P = llama_params(2048, 8192, 16, 32, 8, 128256, True)
@@ -246,7 +247,8 @@ def test_precision_costs_1x_3x_6x_matmul_passes_for_fp32_on_tpu():
 def test_decode_is_bandwidth_bound_on_tpu(tmp_path):
     cfg = load_config(write_cfg(tmp_path, "d", cluster={"generation": "v6e", "topology": "2x4"},
                                 model={**LLAMA_1B, "dtype": "bfloat16"},
-                                sampler={"max_new_tokens": 100, "prompt_buckets": [100], "batch_buckets": [16]},
+                                sampler={"max_new_tokens": 100, "prompt_buckets": [100], "batch_buckets": [16],
+                                         "engine": "static"},
                                 trainer={"prompts_per_step": 2}))
     m, w = cm.model_shape(cfg), cm.Workload.from_config(cfg)
     hw = make_plan(cfg).hw
@@ -257,8 +259,9 @@ def test_decode_is_bandwidth_bound_on_tpu(tmp_path):
 
 def test_cpu_sample_and_sync_seconds_by_hand():
     """The quickstart on the cpu entry, with fixed micro-benchmark figures (at 8 samples per prompt:
-    the figures below are worked by hand for 512 rows)."""
-    cfg = load_config(QUICKSTART, ["sampler.group_size=8", "sampler.batch_buckets=[256]"])
+    the figures below are worked by hand for 512 rows), on the static engine (the continuous one:
+    tests/test_plan_continuous.py)."""
+    cfg = load_config(QUICKSTART, ["sampler.group_size=8", "sampler.batch_buckets=[256]", "sampler.engine=static"])
     plan = make_plan(cfg, "cpu", FAKE_BENCH)
     c = plan.as_configured
     m = plan.model

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from rltpu.config import ConfigError, PlacementConfig, RunConfig
 from rltpu.plan import costmodel as cm
+from rltpu.plan.continuous import EngineGrid
 from rltpu.plan.hardware import Hardware
 from rltpu.chips.launch import check_real_counts
 from rltpu.chips.topology import (ChipTable, Role, aligned_blocks, assign_roles, place_counts,
@@ -55,6 +56,8 @@ class Candidate:
     trainer_fsdp: int = 1
     trainer_tp: int = 1
     micro_rows: float = 0.0  # trainer rows per forward/backward (< the shard: gradient accumulation)
+    slots: int = 0  # continuous engine: decode slots per sampler (the config's, or halved until it fits)
+    kv_pages: int = 0  # continuous engine: pages of its KV pool (without the null page)
     split_refusal: str = ""  # the model does not split over chips_per_* (heads / kv heads / MLP width)
     backend_refusal: str = ""  # what TorchTPU/libtpu refuse on real chips of this generation ("" = nothing)
     real_chips: bool = True  # the chips are real, so backend_refusal makes it not runnable
@@ -232,11 +235,9 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     c.split_refusal = split_refusal(m, c.sampler_tp, c.trainer_tp)
 
     # -- memory per chip
-    rows_s = _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
+    continuous = w.engine == "continuous" and w.grid is not None
+    rows_s = -(-w.rows // n_s) if continuous else _bucket(-(-w.rows // n_s), cfg.sampler.batch_buckets)
     rows_t = w.rows / n_t
-    smem = cm.sampler_memory(m, w, c.chips_per_sampler, rows_s)
-    if c.reward_on != "sampler":
-        smem.pop("reward_model", None)
 
     def tmem(ckpt: bool, micro_rows: float) -> dict:
         out = cm.trainer_memory(m, w, fsdp_chips, micro_rows * w.seq / c.trainer_tp, ckpt)
@@ -244,11 +245,25 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
             out["reward_model"] = w.reward_params * m.bytes / fsdp_chips
         return out
 
+    def sampler_mem(grid) -> dict:
+        out = cm.sampler_memory(m, w, c.chips_per_sampler, rows_s, grid)
+        if c.reward_on != "sampler":
+            out.pop("reward_model", None)
+        return out
+
     if hw.emulated:  # emulated chips share the host's RAM
         c.capacity = hw.hbm_bytes / lay.busiest_host
     else:
         c.capacity = hw.hbm_bytes
     reserve = {"runtime": hw.runtime_reserve_bytes}
+    grid = w.grid
+    if continuous and not c.as_configured:  # the config's slots, halved until the sampler fits beside the rest
+        beside = reserve["runtime"] + (sum(tmem(True, 1.0).values()) if colocated else 0.0)
+        while grid.slots > 1 and sum(sampler_mem(grid).values()) + beside > c.capacity:
+            grid = EngineGrid.from_config(cfg.sampler, slots=grid.slots // 2)
+    smem = sampler_mem(grid)
+    if continuous:
+        c.slots, c.kv_pages = grid.slots, grid.pages - 1
     extra = sum(smem.values()) if colocated else 0.0  # colocated: the sampler stays resident too
     # the cheapest way to fit: whole shard, then checkpointing, then halving the micro-batch
     micro = rows_t
@@ -288,7 +303,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         c.reason = (f"{what} {cm.fmt_bytes(tot)} > {cm.fmt_bytes(c.capacity)} "
                     f"{'RAM per emulated chip' if hw.emulated else 'HBM'} on {hw.name} "
                     f"(largest: {', '.join(f'{k} {cm.fmt_bytes(v)}' for k, v in top)}"
-                    f"{'; even with activation checkpointing and 1-row micro-batches' if role != 'sampler' else ''})")
+                    f"{'; even with activation checkpointing and 1-row micro-batches' if role != 'sampler' else ''}"
+                    f"{f'; continuous engine at sampler.slots={c.slots}, kv_pages={c.kv_pages}' if continuous and role != 'trainer' else ''})")
 
     # -- mesh mapping: high-traffic dims on ICI inside a slice, DCN only between slices
     t_slices, s_slices = lay.trainer_slices, lay.sampler_slices
@@ -303,7 +319,11 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     # -- time
     oversub_s = max(1.0, n_s / hw.cpu["cores"]) if hw.emulated else 1.0  # emulated chips share cores
     oversub_t = max(1.0, n_t / hw.cpu["cores"]) if hw.emulated else 1.0
-    sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s, n_samplers=n_s)
+    waves = None
+    if continuous:
+        sample, waves = cm.continuous_sample_seconds(hw, m, w, c.chips_per_sampler, rows_s, n_s, grid)
+    else:
+        sample = cm.sample_seconds(hw, m, w, c.chips_per_sampler, rows_s, n_samplers=n_s)
     if c.reward_on == "trainer" and "reward_model" in sample:
         sample.pop("reward_model")
     train = cm.train_seconds(hw, m, w, n_t, c.trainer_tp, rows_t, c.checkpointing, fsdp_link,
@@ -328,16 +348,36 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if c.reward_on == "own chips" and w.reward_params:  # the reward group scores every completion
         rate = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu
         host_s += 2 * w.reward_params * w.rows * w.seq / (rate * max(1, w.reward_chips))
-    n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
+    if continuous:  # its prefill programs (prompts per call x prompt bucket) and decode chunks (slots x view)
+        n_cells = (len({(n, grid.page_size * -(-p // grid.page_size)) for n in grid.prefill_rows
+                        for p in cfg.sampler.prompt_buckets}) + len(grid.slot_buckets) * len(grid.views))
+    else:
+        n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
+    chips = table.num_chips
     c.phases = cm.Phases(
         sample=sample_s, host=host_s, train=train_s, sync=sync_s,
         step=cm.step_seconds(c.mode, sample_s, host_s, train_s, sync_s,
                              cores=hw.cpu["cores"] if hw.emulated else None, n_samplers=n_s, n_trainers=n_t),
         compile=cm.compile_seconds(hw, m, n_cells, 2 if not hw.emulated else 0),
         detail={"sample": sample, "train": train, "oversubscription": {"sample": oversub_s, "train": oversub_t},
-                "rows_per_sampler_program": rows_s, "rows_per_trainer": rows_t},
+                "rows_per_sampler_program": rows_s, "rows_per_trainer": rows_t,
+                **({"engine": engine_detail(m, grid, waves, c.chips_per_sampler)} if waves else {})},
     )
+    c.phases.tokens_per_s_per_chip = w.tokens / c.phases.step / chips if c.phases.step > 0 else 0.0
+    # generated tokens per second per sampler chip, while sampling
+    c.phases.detail["sampler_tokens_per_s_per_chip"] = (w.rows * w.mean_new_tokens / sample_s / c.sampler_chips
+                                                        if sample_s > 0 else 0.0)
     return c
+
+
+def engine_detail(m: cm.ModelShape, grid: EngineGrid, v, tp: int) -> dict:
+    """The continuous engine of one sampler, for the report: slots, pool, waves."""
+    ways = math.gcd(m.kv_heads, tp)
+    return {"slots": grid.slots, "page_size": grid.page_size, "kv_pages": grid.pages - 1,
+            "kv_pool_bytes_per_chip": grid.pool_bytes(m.kv_bytes_per_token) / ways,
+            "pool_rows": v.pool_rows, "concurrent_rows": v.concurrent, "waves": v.waves,
+            "decode_steps": v.decode_steps, "chunks": v.chunks, "slot_bucket": v.slot_bucket,
+            "slot_steps": v.slot_steps, "prefill_calls": v.prefill_calls, "view_tokens": grid.view_tokens}
 
 
 def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:

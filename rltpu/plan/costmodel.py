@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rltpu.config import ConfigError, ModelConfig, RunConfig
+from rltpu.plan.continuous import EngineGrid, Waves, flops, serve
 from rltpu.plan.hardware import GiB, Hardware
 from rltpu.plan.shapes import DTYPE_BYTES, PROBE, ModelShape  # noqa: F401 - cm.ModelShape for callers
 
@@ -60,10 +61,22 @@ class Workload:
     mixed_precision: str = "fp32"  # trainer.mixed_precision: "bf16" = bf16 compute, fp32 master + AdamW
     reward_chips: int = 0  # placement.reward_chips: a reward-model group on chips of its own
     lora: tuple | None = None  # trainer.lora: (rank, target module names); None = every parameter trains
+    engine: str = "static"  # sampler.engine
+    grid: EngineGrid | None = None  # the continuous engine's slots and KV pool as the config sizes them
+    mean_new: float = 0.0  # mean generated tokens per row (planner.mean_response_len); 0: new_tokens
 
     @property
     def rows(self) -> int:
         return self.prompts * self.group
+
+    @property
+    def mean_new_tokens(self) -> float:
+        return self.mean_new or self.new_tokens
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of one step's training batch (prompt + mean completion per row): the headline's numerator."""
+        return self.rows * (self.prompt_len + self.mean_new_tokens)
 
     @property
     def seq(self) -> int:
@@ -81,6 +94,9 @@ class Workload:
             bucket_mb=cfg.sync.bucket_mb, mixed_precision=getattr(cfg.trainer, "mixed_precision", "fp32"),
             reward_chips=getattr(cfg.placement, "reward_chips", 0),
             lora=(cfg.trainer.lora.rank, tuple(cfg.trainer.lora.target_modules)) if cfg.trainer.lora else None,
+            engine=cfg.sampler.engine,
+            grid=EngineGrid.from_config(cfg.sampler) if cfg.sampler.engine == "continuous" else None,
+            mean_new=float(pl.mean_response_len or 0),
         )
 
     def trained_params(self, m: "ModelShape") -> int:
@@ -187,7 +203,25 @@ def sampler_weight_bytes(m: ModelShape, tp: int) -> float:
                       + (vocab / tp if split_vocab else vocab) + norms)
 
 
-def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int) -> dict[str, float]:
+def sampler_memory(m: ModelShape, w: Workload, tp: int, rows: int, grid: EngineGrid | None = None) -> dict[str, float]:
+    """Bytes on one of a sampler's ``tp`` chips. The static engine holds a dense cache for its batch
+    bucket (``rows``); the continuous one (``grid``, default the config's) holds its page pool, the
+    history its decode chunk gathers for every slot, and per-slot logits, whatever the rows."""
+    g = grid or w.grid
+    if w.engine == "continuous" and g is not None:
+        ways = math.gcd(m.kv_heads, tp)  # the pool is split by kv heads
+        mem = {
+            "weights": sampler_weight_bytes(m, tp),
+            "kv_pool": g.pool_bytes(m.kv_bytes_per_token) / ways,
+            "decode_history": g.history_bytes(m.kv_bytes_per_token) / ways,
+            "prefill_work": max(g.prefill_rows) * g.prompt_pages * g.page_size * (4 * m.hidden + 3 * m.inter)
+            * m.bytes / tp,
+            # next-token logits per slot and last-prompt-token logits per prefilled prompt, fp32, replicated
+            "logits": (2 * g.slots + max(g.prefill_rows)) * m.vocab * 4,
+        }
+        if w.reward_params:
+            mem["reward_model"] = w.reward_params * m.bytes / tp
+        return mem
     mem = {
         "weights": sampler_weight_bytes(m, tp),
         "kv_cache": rows * w.seq * m.kv_bytes_per_token / math.gcd(m.kv_heads, tp),  # split by kv heads
@@ -285,13 +319,53 @@ def matmul_passes(hw: Hardware, m: ModelShape, w: Workload, training: bool = Fal
     return PRECISION_PASSES[w.precision]
 
 
-def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int,
-                   n_samplers: int = 1) -> dict[str, float]:
-    """One sampler replica: prefill of ``rows`` prompts, then ``new_tokens`` decode steps.
+def continuous_sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int, n_samplers: int = 1,
+                              grid: EngineGrid | None = None) -> tuple[dict[str, float], Waves]:
+    """One continuous sampler serving ``rows`` rows in waves (``rltpu.plan.continuous.serve``).
 
-    The compiled loop runs every step of the bucket (rows stop early only when all of them do).
-    Each decode step attends over the whole static cache of length prompt + new tokens.
+    TPU: prefill is FLOP-bound; decode is max(bytes, FLOPs) over the whole request, where the bytes are
+    the weights once per step, each computed slot's history view once per step, and the chunk's gather
+    (read the pages, write the copy) once per chunk. cpu: the measured continuous program line, fixed
+    seconds per host-loop iteration (one admission + one chunk) + FLOPs at the marginal rate.
     """
+    g = grid or w.grid
+    v = serve(g, rows, w.mean_new_tokens, w.new_tokens)
+    f_prefill, f_decode = flops(m, g, v.prefill_prompts, v.slot_steps)
+    out: dict[str, float] = {}
+    if hw.emulated:
+        fit = hw.cpu.get("jax_continuous_fit") or hw.cpu["jax_sample_fit"]
+        rate = min(_log_interp(fit["flops"], m.hidden), hw.gemm_flops(m.hidden, "jax"))
+        out["program_fixed"] = _log_interp(fit["fixed_s"], m.hidden) * v.chunks
+        out["prefill"] = f_prefill / rate
+        out["decode"] = f_decode / rate
+        out["dispatch"] = ray_fanout_s(hw, n_samplers)
+        if "driver" in hw.cpu:
+            out["driver"] = w.rows * hw.cpu["driver"]["sample_s_per_row"]
+        return out, v
+    peak = hw.peak_flops * tp / matmul_passes(hw, m, w)
+    kv = m.kv_bytes_per_token / math.gcd(m.kv_heads, tp)
+    out["prefill"] = f_prefill / (peak * hw.prefill_mfu)
+    streamed = (v.decode_steps * sampler_weight_bytes(m, tp) + v.slot_steps * (g.view_tokens + g.chunk) * kv
+                + v.chunks * 2 * v.slot_bucket * g.view_tokens * kv)
+    out["decode"] = max(streamed / (hw.hbm_bw * hw.bw_eff), f_decode / (peak * hw.prefill_mfu))
+    if tp > 1:  # two all-reduces of the activations per layer per step, over the computed slots
+        ar = 2 * (tp - 1) / tp * v.slot_bucket * m.hidden * m.bytes / (hw.ici_bw * hw.link_eff) \
+            + hw.collective_latency_s
+        out["tp_allreduce"] = (v.decode_steps + v.prefill_calls) * 2 * m.layers * ar
+    if w.reward_params:
+        out["reward_model"] = 2 * w.reward_params * rows * w.seq / (peak * hw.prefill_mfu)
+    return out, v
+
+
+def sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int, rows: int,
+                   n_samplers: int = 1, grid: EngineGrid | None = None) -> dict[str, float]:
+    """One sampler replica. The continuous engine: ``continuous_sample_seconds``. The static engine:
+    prefill of ``rows`` prompts, then ``new_tokens`` decode steps; the compiled loop runs every step
+    of the bucket (rows stop early only when all of them do) and each decode step attends over the
+    whole static cache of length prompt + new tokens.
+    """
+    if w.engine == "continuous" and (grid or w.grid) is not None:
+        return continuous_sample_seconds(hw, m, w, tp, rows, n_samplers, grid)[0]
     P, T, S, H, L = w.prompt_len, w.new_tokens, w.seq, m.hidden, m.layers
     passes = matmul_passes(hw, m, w)
     f_prefill = 2 * m.matmul_params * rows * P + 4 * rows * P * P * H * L
@@ -493,6 +567,9 @@ class Phases:
     step: float
     compile: float
     detail: dict = field(default_factory=dict)
+    # the headline: one step's training tokens (prompt + mean completion per row) / step / chips of the
+    # cluster, as NeMo-RL reports Tokens/sec/GPU
+    tokens_per_s_per_chip: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

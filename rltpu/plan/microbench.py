@@ -21,7 +21,8 @@ thread), so everything here runs single-threaded on one pinned core:
   ``build_train_batch``) on the default task.
 * sampler probe: one compiled sampler call of a small Llama through rltpu's own ``SamplerEngine``
   at several widths; its FLOP/s over the GEMM rate at that width is the efficiency the decode
-  loop reaches here.
+  loop reaches here. Run for the static engine and for the continuous one (the default), each
+  as a line through two batch sizes (fixed seconds + marginal FLOP/s).
 * train-step probe: ``TrainerEngine.train_step`` (the trainer actor's own call) on small Llamas at
   several widths, one process and 2 FSDP2 ranks over gloo, at a small and a large batch: the line
   through the two gives the fixed seconds per update and the marginal FLOP/s.
@@ -49,7 +50,7 @@ from rltpu.plan.shapes import PROBE, PROBE_NEW, PROBE_PROMPT, PROBE_ROWS, PROBE_
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 13
+BENCH_VERSION = 14
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -155,6 +156,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_sample_probe
 res = {str(w): bench_jax_sample_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS}
+res.update({f"continuous:{w}": bench_jax_continuous_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS})
 share = torch.tensor([min(r.pop("cpu_share") for r in res.values())], dtype=torch.float64)
 dist.all_reduce(share, op=dist.ReduceOp.MIN)
 res["cpu_share"] = float(share)
@@ -218,6 +220,66 @@ def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict
     slope = max((tb - ta) / (fb - fa), 1e-15)
     return {"flops": fa / ta, "fit_fixed_s": max(ta - fa * slope, 0.0), "fit_flops": 1 / slope,
             "cpu_share": cpu_s / max(wall_s, 1e-9)}
+
+
+def bench_jax_continuous_probe(width: int = PROBE["hidden_size"], dist=None) -> dict:
+    """rltpu's continuous engine (``sampler.engine: continuous``, the default) on the probe model at
+    ``width``: 64 and 256 rows (8 and 32 prompts x 8) of 8 + 4 tokens on 256 slots, each one admission
+    + one decode chunk, calls interleaved, median of 15 whole ``generate`` calls (with ``dist``: the
+    slowest process per call). The work of each call is counted from the engine's own counters
+    (prefill rows it ran, slot-steps it computed) with ``rltpu.plan.continuous.flops``, the count the
+    cost model predicts with; ``fit_fixed_s`` (per host-loop iteration: the call had one) and
+    ``fit_flops`` are the line through both sizes."""
+    from rltpu.config import ModelConfig, SamplerConfig
+    from rltpu.models.spec import param_shapes
+    from rltpu.models.jax_llama import params_from_torch
+    from rltpu.models.torch_llama import init_state_dict
+    from rltpu.plan.continuous import EngineGrid, flops
+    from rltpu.plan.shapes import ModelShape
+    from rltpu.sampling.engine import SamplerEngine
+
+    mcfg = ModelConfig(**probe_dims(width))
+    G = 8
+    scfg = SamplerConfig(engine="continuous", group_size=G, max_new_tokens=PROBE_NEW, batch_buckets=SAMPLE_FIT_ROWS,
+                         prompt_buckets=(PROBE_PROMPT,), compile_cache=False)
+    grid = EngineGrid.from_config(scfg)
+    shape = ModelShape.from_config(mcfg, PROBE_VOCAB)
+    shapes = {k: (v, "float32") for k, v in param_shapes(mcfg, PROBE_VOCAB).items()}
+    eng = SamplerEngine(mcfg, scfg, PROBE_VOCAB, 0, 2, shapes)  # EOS 2 is in the vocabulary: rows may stop
+    eng.set_params(params_from_torch(init_state_dict(mcfg, PROBE_VOCAB, 0)), 0)
+    prompts = {r: [[1, *range(3, 3 + PROBE_PROMPT - 1)] for _ in range(r // G)] for r in SAMPLE_FIT_ROWS}
+    for r in SAMPLE_FIT_ROWS:
+        eng.generate(prompts[r], G, 0)  # compile
+    times: dict[int, list[float]] = {r: [] for r in SAMPLE_FIT_ROWS}
+    work: dict[int, list[float]] = {r: [] for r in SAMPLE_FIT_ROWS}
+    chunks: dict[int, list[int]] = {r: [] for r in SAMPLE_FIT_ROWS}
+    cpu_s = wall_s = 0.0
+    plen = grid.prompt_pages * grid.page_size
+    for i in range(15):
+        for r in SAMPLE_FIT_ROWS:
+            if dist is not None:
+                dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
+            out = eng.generate(prompts[r], G, i + 1)
+            t = time.perf_counter() - w0
+            cpu_s, wall_s = cpu_s + time.process_time() - c0, wall_s + t
+            f_pre, f_dec = flops(shape, grid, out["prefill_slots"] / plen, out["slot_steps"])
+            if dist is not None:  # the phase waits for the slowest sampler
+                import torch
+
+                ts = torch.tensor([t], dtype=torch.float64)
+                dist.all_reduce(ts, op=dist.ReduceOp.MAX)
+                t = float(ts)
+            times[r].append(t)
+            work[r].append(f_pre + f_dec)
+            chunks[r].append(out["chunks"])
+    med = {r: sorted(t)[len(t) // 2] for r, t in times.items()}
+    wk = {r: sorted(f)[len(f) // 2] for r, f in work.items()}
+    (ra, ta), (rb, tb) = sorted(med.items())
+    slope = max((tb - ta) / max(wk[rb] - wk[ra], 1.0), 1e-15)
+    n_chunks = max(1, sorted(chunks[ra])[len(chunks[ra]) // 2])
+    return {"flops": wk[ra] / ta, "fit_fixed_s": max(ta - wk[ra] * slope, 0.0) / n_chunks, "fit_flops": 1 / slope,
+            "chunks": n_chunks, "cpu_share": cpu_s / max(wall_s, 1e-9)}
 
 
 # -- whole-step probes through rltpu's own code, fitted as fixed seconds + work / rate --------------
@@ -642,6 +704,10 @@ def run_all() -> dict:
         took[key] = round(time.perf_counter() - t, 1)
     fits = res.pop("jax_sample_probes")
     res["jax_sample_probes_cpu_share"], res["jax_sample_probes_attempt"] = fits.pop("cpu_share"), fits.pop("attempt")
+    cont = {w.split(":", 1)[1]: fits.pop(w) for w in [k for k in fits if k.startswith("continuous:")]}
+    res["jax_continuous_fit"] = {"fixed_s": {w: f["fit_fixed_s"] for w, f in cont.items()},
+                                 "flops": {w: f["fit_flops"] for w, f in cont.items()},
+                                 "per": "host-loop iteration (one admission + one decode chunk)"}
     res["jax_sample_probe_flops_by_width"] = {w: f["flops"] for w, f in fits.items()}
     res["jax_sample_fit"] = {"fixed_s": {w: f["fit_fixed_s"] for w, f in fits.items()},
                              "flops": {w: f["fit_flops"] for w, f in fits.items()}, "new_tokens": PROBE_NEW}

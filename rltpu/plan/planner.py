@@ -115,7 +115,8 @@ class Plan:
         p = win.phases
         phases = {"sample": p.sample, "train": p.train, "sync": p.sync, "host": p.host}
         dom = max(phases, key=phases.get)
-        parts = [f"{win.name} wins at {p.step:.3g} s per step; {dom} is {phases[dom] / p.step:.0%} of it."]
+        parts = [f"{win.name} wins at {p.tokens_per_s_per_chip:,.4g} tokens/s/chip ({p.step:.3g} s per step); "
+                 f"{dom} is {phases[dom] / p.step:.0%} of it."]
         others = [c for c in self.feasible if c is not win and c.runnable]
         if others:
             r = others[0]
@@ -209,5 +210,8 @@ def make_plan(cfg: RunConfig, hardware: str | None = None, bench: dict | None = 
     if workload.rows < 1 or workload.seq < 2:
         raise ConfigError(f"the workload is empty ({workload.rows} rows of {workload.seq} tokens); "
                           f"set trainer.prompts_per_step and sampler.max_new_tokens >= 1")
+    if workload.mean_new > workload.new_tokens:
+        raise ConfigError(f"planner.mean_response_len={workload.mean_new:g} exceeds the {workload.new_tokens} new tokens "
+                          f"a row may generate; lower it or raise sampler.max_new_tokens / planner.response_len")
     cands = evaluate_all(cfg, table, hw, model, workload, detailed)
     return Plan(cfg, hw, model, workload, table, cands)

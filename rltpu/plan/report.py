@@ -31,6 +31,23 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def _fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.3g}"
+
+
+def engine_line(plan: Plan, c) -> str:
+    """The continuous engine of a candidate's samplers: slots, KV pool, waves (one line)."""
+    e = (c.phases.detail if c.phases else {}).get("engine")
+    if not e:
+        return ""
+    return (f"Sampler engine: continuous, {e['slots']} slots per sampler, KV pool of {e['kv_pages']} pages x "
+            f"{e['page_size']} tokens ({fmt_bytes(e['kv_pool_bytes_per_chip'])} per chip; it feeds {e['pool_rows']} "
+            f"rows at their mean length); {c.phases.detail['rows_per_sampler_program']} rows per sampler in "
+            f"{e['waves']} wave(s) of {e['concurrent_rows']}: {e['decode_steps']:,.0f} decode steps in "
+            f"{e['chunks']:,} chunks, each step attending over a {e['view_tokens']:,}-token history view; "
+            f"{c.phases.detail['sampler_tokens_per_s_per_chip']:,.0f} generated tokens/s per sampler chip.")
+
+
 def _span(a, b) -> str:
     return str(a) if a == b else f"{a}-{b}"
 
@@ -110,20 +127,24 @@ def markdown(plan: Plan, top: int = 12) -> str:
            f"{f', reward model {w.reward_params / 1e9:.2f}B' if w.reward_params else ''}.", "",
            "## Why", "", plan.why(), "",
            "## Ranked candidates", "",
-           "| # | candidate | runs here | fits in memory | step | sample | train | sync | host | peak mem / chip | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| # | candidate | runs here | fits in memory | tokens/s/chip | step | sample | train | sync | host "
+           "| peak mem / chip | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, c in enumerate(_rows(plan, top), 1):
         p = c.phases
         peak = max(c.peak_bytes().values()) if c.memory else 0
-        cells = ([_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync), _fmt_s(p.host)]
-                 if p else ["-"] * 5)
+        cells = ([_fmt_rate(p.tokens_per_s_per_chip), _fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train),
+                  _fmt_s(p.sync), _fmt_s(p.host)] if p else ["-"] * 6)
         note = _note(c)
         out.append(f"| {i} | {c.name} | {'yes' if c.runnable else 'no'} | {'yes' if c.feasible else '**no**'} | "
                    + " | ".join(cells) + f" | {fmt_bytes(peak)} / {fmt_bytes(c.capacity)} | {note} |")
     if win:
         out += ["", f"## Winner: {win.name}", "",
+                f"Predicted {_fmt_rate(win.phases.tokens_per_s_per_chip)} tokens/s/chip ({plan.workload.tokens:,.0f} "
+                f"training tokens per step over {plan.table.num_chips} chips in {_fmt_s(win.phases.step)}). "
                 f"Compile (one-off, rough): {_fmt_s(win.phases.compile)}. Activation checkpointing: "
-                f"{'on' if win.checkpointing else 'off'}.", "", "Memory per chip:", ""]
+                f"{'on' if win.checkpointing else 'off'}.", *(["", engine_line(plan, win)] if engine_line(plan, win) else []),
+                "", "Memory per chip:", ""]
         for role, items in win.memory.items():
             out.append(f"- **{role}**: {fmt_bytes(sum(items.values()))} of {fmt_bytes(win.capacity)}: "
                        + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in items.items()))
@@ -369,7 +390,8 @@ def html_page(plan: Plan, top: int = 12) -> str:
         p = c.phases
         peak = max(c.peak_bytes().values()) if c.memory else 0
         ranked.append([i, c.name, "yes" if c.runnable else "no", "yes" if c.feasible else "NO",
-                       *( [_fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train), _fmt_s(p.sync)] if p else ["-"] * 4),
+                       *([_fmt_rate(p.tokens_per_s_per_chip), _fmt_s(p.step), _fmt_s(p.sample), _fmt_s(p.train),
+                          _fmt_s(p.sync)] if p else ["-"] * 5),
                        f"{fmt_bytes(peak)} / {fmt_bytes(c.capacity)}",
                        _note(c)])
     chip_map = _chip_map if plan.detailed_report else _host_map
@@ -401,7 +423,8 @@ def html_page(plan: Plan, top: int = 12) -> str:
         "<h2>Memory per chip</h2>", _memory_bars(plan),
         "<h2>One step per candidate</h2>", _timeline(plan),
         "<h2>Ranked candidates</h2>",
-        _table("ranked", ["#", "candidate", "runs here", "fits in memory", "step", "sample", "train", "sync",
+        _table("ranked", ["#", "candidate", "runs here", "fits in memory", "tokens/s/chip", "step", "sample", "train",
+                          "sync",
                           "peak mem / chip", "note"], ranked),
         "<h2>Rank &rarr; chip</h2>", ranks,
         "<h2>Weight-sync route</h2>", _table("route", ["hop", "link", "from", "to", "bytes", "time"], route),

@@ -1,0 +1,136 @@
+"""The continuous engine as the planner counts it: its slot grid, its paged KV pool, and the waves a
+request is served in.
+
+Why: ``sampler.engine: continuous`` (the default, ``rltpu/sampling/continuous.py``) does not hold a
+dense ``rows x (prompt + new)`` KV cache. It keeps S decode slots and a pool of KV pages sized from
+S; rows beyond S (or beyond what the pool holds) wait in a queue and are admitted as slots free, so
+a request of R rows is served in about ceil(R / S) waves. Memory follows the slot grid, time follows
+the waves. ``EngineGrid.from_config`` repeats ``ContinuousSampler.__init__``'s sizing rules (page
+size, pool pages, prefill row buckets, slot buckets, history views) without importing JAX;
+``tests/test_plan_continuous.py`` checks them against a real ``ContinuousSampler``.
+
+Counts (R rows of one sampler, G samples per prompt, mean generated length l, longest T):
+    concurrent rows  c = min(S, R, rows the pool feeds: pages / (prompt pages / G + ceil(l / ps)))
+    waves            W = ceil(R / c)
+    decode steps     D = (W - 1) * l + T     (a wave's slots refill as rows stop; the last waits for its longest)
+    chunks           ceil(D / decode_chunk)  (the host admits rows between chunks)
+    slot-steps       b * D                   (b: the smallest slot bucket >= c; every chunk computes all of it)
+    prefill          R / G prompts, once each, padded to the prefill row buckets
+    history read     (prompt pages + the widest view) * page size tokens per slot per step: a chunk
+                     gathers each slot's pages once and every step attends over that copy
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AUTO_POOL_FRACTION = 0.4  # sampler.kv_pages=0: pages for 40% of the slot grid's dense cache (the engine's rule)
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class EngineGrid:
+    """The compiled grid and pool of one continuous sampler (``ContinuousSampler``'s attributes)."""
+    slots: int  # S
+    chunk: int  # C, decode steps per compiled call
+    page_size: int  # ps, tokens per page
+    prompt_pages: int  # MP, pages of the largest prompt bucket
+    gen_pages: int  # MG, pages of the longest completion
+    pages: int  # the pool, with the null page
+    prefill_rows: tuple[int, ...]  # prompts per prefill call (buckets)
+    slot_buckets: tuple[int, ...]
+    views: tuple[int, ...]  # generated pages a chunk's history view holds
+    group: int
+
+    @classmethod
+    def from_config(cls, scfg, slots: int | None = None) -> "EngineGrid":
+        """``scfg`` a ``SamplerConfig``; ``slots`` overrides ``sampler.slots`` (the planner's choice)."""
+        S = slots or scfg.slots or max(scfg.batch_buckets)
+        T = max(scfg.new_tokens_grid)
+        P = max(scfg.prompt_buckets)
+        C = scfg.decode_chunk
+        ps = min(scfg.kv_page_size, _pow2_at_most(T))
+        MP, MG = math.ceil(P / ps), math.ceil(T / ps)
+        G = max(scfg.group_size, 1)
+        per = math.ceil(S / G)
+        prefill_rows = tuple(sorted({1, *(4 ** i for i in range(8) if 4 ** i < per), per}))
+        first = math.ceil(min(C, T) / ps)
+        auto = max(math.ceil(AUTO_POOL_FRACTION * S * (P + T) / ps), S * first + per * MP, MP + MG)
+        pages = (scfg.kv_pages or auto) + 1
+        lo = min(min(scfg.batch_buckets), S)
+        buckets = tuple(sorted({b for b in scfg.batch_buckets if b < S} | {S}
+                               | {1 << k for k in range(lo.bit_length(), S.bit_length()) if lo < 1 << k < S}))
+        views = tuple(sorted({max(1, MG >> i) for i in range(4)}))
+        return cls(S, C, ps, MP, MG, pages, prefill_rows, buckets, views, G)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the pool holds, without the null page."""
+        return (self.pages - 1) * self.page_size
+
+    @property
+    def view_tokens(self) -> int:
+        """Tokens of the widest history view a slot's chunk gathers and attends over."""
+        return (self.prompt_pages + max(self.views)) * self.page_size
+
+    def pool_bytes(self, kv_bytes_per_token: float) -> float:
+        """The pool ``[pages, kv_heads, page_size, head_dim]`` per layer, K and V: every page, null included."""
+        return self.pages * self.page_size * kv_bytes_per_token
+
+    def history_bytes(self, kv_bytes_per_token: float) -> float:
+        """The chunk's gathered history (every layer's K and V for S slots over the widest view) plus
+        the chunk's own new keys (S x C): live while the decode loop runs."""
+        return self.slots * (self.view_tokens + self.chunk) * kv_bytes_per_token
+
+    def prefill_bucket(self, prompts: int) -> int:
+        return next((b for b in self.prefill_rows if b >= prompts), self.prefill_rows[-1])
+
+
+@dataclass(frozen=True)
+class Waves:
+    """How one sampler serves ``rows`` rows on an ``EngineGrid``."""
+    rows: int
+    prompts: int
+    concurrent: int  # rows decoding at once
+    waves: int
+    decode_steps: float
+    chunks: int
+    slot_bucket: int  # slots a chunk computes: the smallest slot bucket that holds the concurrent rows
+    slot_steps: float  # slots computed x steps
+    prefill_calls: int
+    prefill_prompts: int  # padded to the prefill row buckets
+    pool_rows: int  # rows the pool feeds at their mean length (the slots may be more)
+
+
+def serve(g: EngineGrid, rows: int, mean_new: float, max_new: int) -> Waves:
+    """The counts of the module docstring. ``mean_new`` (l) <= ``max_new`` (T)."""
+    prompts = math.ceil(rows / g.group)
+    per_row_pages = g.prompt_pages / g.group + math.ceil(mean_new / g.page_size)
+    pool_rows = max(1, int((g.pages - 1) // per_row_pages))
+    c = max(1, min(g.slots, rows, pool_rows))
+    waves = math.ceil(rows / c)
+    sb = next(b for b in g.slot_buckets if b >= c)
+    steps = (waves - 1) * mean_new + max_new
+    # prompts are prefilled as their first sample is admitted: about one call of c / G prompts per wave
+    per_call = max(1, min(math.ceil(c / g.group), prompts))
+    bucket = g.prefill_bucket(per_call)
+    calls = math.ceil(prompts / bucket)
+    return Waves(rows=rows, prompts=prompts, concurrent=c, waves=waves, decode_steps=steps,
+                 chunks=math.ceil(steps / g.chunk), slot_bucket=sb, slot_steps=sb * steps, prefill_calls=calls,
+                 prefill_prompts=calls * bucket, pool_rows=pool_rows)
+
+
+def flops(m, g: EngineGrid, prefill_prompts: float, slot_steps: float) -> tuple[float, float]:
+    """(prefill, decode) FLOPs of a continuous sampler (``m`` a ``ModelShape``): its prefill calls
+    (``prefill_prompts`` padded to the prefill row buckets, the prompt bucket padded to pages) and
+    every computed slot-step, each attending over the widest history view plus the chunk's own keys.
+    The cost model (prediction) and the micro-benchmark's probe (fit, from the engine's own counters)
+    both count with this."""
+    P, H, L = g.prompt_pages * g.page_size, m.hidden, m.layers
+    prefill = 2 * m.matmul_params * prefill_prompts * P + 4 * prefill_prompts * P * P * H * L
+    decode = slot_steps * (2 * m.matmul_params + 4 * (g.view_tokens + g.chunk) * H * L)
+    return prefill, decode
