@@ -32,6 +32,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -128,17 +129,19 @@ def fabric_warning(host: str, port: int) -> str | None:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False):
+    def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False,
+                 placement: Callable[[RunConfig], Placement] = Placement):
+        """``placement``: builds the chip plan and the actors on it (Ray's placement group; the
+        controller tests pass the in-process fakes of ``tests/fakes.py``)."""
         self.address, self.resume = address or cfg.cluster.address, resume
         self.colocated = cfg.placement.mode == "colocated"
         self.staleness = cfg.placement.staleness
         self.run_dir = cfg.resolved_run_dir
-        self.placement = Placement(cfg)  # the chip plan; raises before anything starts
         # one factory for both data sources: the built-in task + char tokenizer, or a prompt file +
         # a Hugging Face tokenizer (whose extra EOS ids become sampler stop tokens)
         self.tokenizer = build_tokenizer(cfg)
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
-        self.placement.cfg = cfg
+        self.placement = placement(cfg)  # the chip plan; raises before anything starts
         self.vocab = resolve_vocab(cfg, self.tokenizer)
         bad = [t for t in cfg.sampler.stop_token_ids if t >= self.vocab]
         if bad:  # an id past the vocabulary never stops a row (or indexes past the logits)
@@ -214,7 +217,9 @@ class Controller:
         g = p.groups
         d = self.cfg.health.deadlines
         self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated, d)
-        self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir)
+        # --resume PATH: the controller's resume is that checkpoint's path (rltpu.control.checkpoints)
+        self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir,
+                                       source=self.resume if isinstance(self.resume, Path) else None)
         self.supervisor.start()
         # CPU-only reward workers: their processes start while the chip actors build
         self.rewards = RewardPool(self.cfg.task, RayRewardWorkers(ray, self.cfg.task), self.run_dir,
@@ -720,7 +725,7 @@ class Controller:
                     self.steps_run += 1
                     self.writer.write(rec)
                     self.interrupted_record = None
-                if cfg.checkpoint.every_steps and self.step_idx % cfg.checkpoint.every_steps == 0:
+                if self.checkpoints.due(self.step_idx) and self.step_idx < cfg.trainer.steps:  # the last: _saved_final
                     self.phase = "checkpoint"
                     self.save_checkpoint()
                     self.phase = "idle"

@@ -85,7 +85,7 @@ class Supervisor:
             for key, (role, rank) in self.groups.keys().items():
                 self.incarnation[key] = 0
                 self.groups.group(role)[rank].start_heartbeat.remote(self.monitor, hc.heartbeat_s, 0)
-            self.watch = Watchdog(self.monitor, hc, self.fence, self.write_health, hc.poll_s)
+            self.watch = Watchdog(self.monitor, hc, self.fence, self.write_health, hc.poll_s, ray)
             self.watch.start()
         if self.cfg.dashboard.enabled:
             from rltpu.observe.dashboard import serve

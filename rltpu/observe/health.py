@@ -192,9 +192,11 @@ class Watchdog(threading.Thread):
     the fence (the call then fails with an actor error and the controller replaces the actor).
     """
 
-    def __init__(self, monitor, cfg, fence, write, poll_s: float = 1.0):
+    def __init__(self, monitor, cfg, fence, write, poll_s: float = 1.0, ray=None):
+        """``ray``: the module (or the controller tests' in-process stand-in) that reaches ``monitor``."""
         super().__init__(name="rltpu-watchdog", daemon=True)
         self.monitor, self.cfg, self.fence, self.write, self.poll_s = monitor, cfg, fence, write, poll_s
+        self.ray = ray
         self.deadlines = deadlines_of(cfg)
         self.reports: dict[str, dict] = {}
         # the newest phase spans only (trace.json); older ones are in earlier trace.json writes
@@ -205,8 +207,9 @@ class Watchdog(threading.Thread):
 
     def poll(self, act: bool = True) -> None:
         """One round; ``act=False`` (the final one, at shutdown) only refreshes health.json."""
-        import ray
-
+        ray = self.ray
+        if ray is None:
+            import ray
         snap = ray.get(self.monitor.snapshot.remote(), timeout=30)
         with self.lock:
             self.reports = snap["reports"]

@@ -1,0 +1,146 @@
+"""The controller's loop on in-process fakes (``tests/fakes.py``): no Ray, seconds per test.
+
+Each mode's step, a sampler that dies or hangs mid-step, a trainer death rewound to the last
+checkpoint, ``health.max_restarts`` and the async staleness bound. What only Ray shows (processes,
+chips, the sync fabric) stays in the end-to-end tests (``test_e2e*.py``, ``test_fault_tolerance.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rltpu.config import build_config
+from rltpu.control.batch import train_layout
+from rltpu.control.controller import Controller
+from rltpu.observe.health import HealthError
+from tests.fakes import FakeActors, FakePlacement
+
+FAST_HEALTH = {"heartbeat_s": 0.02, "heartbeat_timeout_s": 2.0, "poll_s": 0.02, "max_restarts": 2,
+               "deadlines": {k: 2.0 for k in ("sampling", "training", "syncing", "checkpointing", "scoring",
+                                              "loading", "compiling", "identity", "claim", "rendezvous",
+                                              "join_sync", "probe")}}
+
+
+def make_cfg(tmp_path, **over):
+    data = {"name": "fakes", "seed": 0, "run_dir": str(tmp_path / "run"),
+            "cluster": {"generation": "v5e", "topology": "2x2", "slices": 1},
+            "placement": {"sampler_chips": 2, "trainer_chips": 2},
+            "model": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 1, "max_position_embeddings": 32},
+            "task": {"name": "copy", "min_digits": 2, "max_digits": 2, "reward_fn": "rltpu.data.rewards:partial_credit"},
+            "sampler": {"group_size": 4, "max_new_tokens": 4, "batch_buckets": [8], "prompt_buckets": [8],
+                        "precompile": False, "compile_cache": False},
+            "trainer": {"steps": 2, "prompts_per_step": 4, "target_reward": None},
+            "sync": {"verify_every": 1}, "checkpoint": {"every_steps": 1, "every_minutes": 0},
+            "health": FAST_HEALTH, "dashboard": {"enabled": False}}
+    for key, value in over.items():
+        section, _, field = key.partition("__")
+        data.setdefault(section, {})
+        if field:
+            data[section][field] = value
+        else:
+            data[section] = value
+    return build_config(data)
+
+
+def run(cfg, arrange=None, steps: int | None = None):
+    actors = FakeActors(cfg.sampler.max_new_tokens)
+    ctl = Controller(cfg, placement=lambda c: FakePlacement(c, actors))
+    try:
+        ctl.start()
+        if arrange:
+            arrange(actors, ctl)
+        records = ctl.run()
+    finally:
+        ctl.shutdown()
+    return ctl, actors, records
+
+
+def lines(ctl, name="metrics.jsonl"):
+    return [json.loads(x) for x in (ctl.run_dir / name).read_text().splitlines()]
+
+
+def grpo(rewards, G):
+    g = rewards.reshape(-1, G)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+
+
+def test_disaggregated_step_trains_the_scored_rows_and_syncs_every_sampler(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path))
+    assert [r["step"] for r in records] == [1, 2] and ctl.version == 2
+    assert records[-1]["sampler_weight_versions"] == [2, 2] and records[-1]["sync_probe_max_diff"] == 0.0
+    # each step: 4 prompts x G=4 rows, split 8 + 8 over the two trainer ranks
+    assert [(r, len(b["tokens"])) for r, b in actors.batches] == [(0, 8), (1, 8)] * 2
+    rows = np.concatenate([b["advantages"] for _, b in actors.batches[:2]])
+    mask = np.concatenate([b["loss_mask"] for _, b in actors.batches[:2]])
+    assert (rows[mask == 0] == 0).all() and np.abs(rows).sum() > 0
+    assert [ln["step"] for ln in lines(ctl)] == [1, 2]
+    assert (ctl.run_dir / "checkpoint" / "trainer_state.json").exists()
+
+
+def test_colocated_step_passes_weights_in_process(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path, placement__mode="colocated"))
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["sampler_weight_versions"] == [2, 2]
+    assert not actors.fabric  # nothing crossed a sync fabric
+    assert not [c for c in actors.calls if c[0] == "join_sync"]
+    assert records[-1]["sync_probe_max_diff"] == 0.0 and records[-1]["mode"] == "colocated"
+    assert sorted(actors.handles) == ["trainer-0", "trainer-1"]  # one process per chip runs both engines
+
+
+def test_async_step_trains_rollouts_at_most_staleness_versions_old(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path, placement__staleness=1, trainer__steps=4))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["staleness"] for r in records] == [0, 1, 1, 1]  # rollout k+1 is drawn while step k trains
+    assert max(r["rollouts_in_flight"] for r in records) == 1
+
+
+def test_async_staleness_bound_stops_a_rollout_older_than_allowed(tmp_path):
+    def frozen(actors, ctl):  # sampler 0 keeps generating with version 0
+        eng = actors.handles["sampler-0"]._obj.engine
+        eng.set_params = lambda params, version: None
+
+    with pytest.raises(RuntimeError, match=r"placement.staleness=1"):
+        run(make_cfg(tmp_path, placement__staleness=1, trainer__steps=4), frozen)
+
+
+def test_a_sampler_that_dies_mid_step_is_replaced_and_its_shard_redone(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path), lambda a, c: a.fail("sampler-1", "generate", after=1))
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["sampler_weight_versions"] == [2, 2]
+    assert actors.spawned.count("sampler-1") == 2 and actors.spawned.count("trainer-0") == 1
+    health = json.loads((ctl.run_dir / "health.json").read_text())
+    assert health["restarts"] == {"sampler-1": 1}
+    assert [e["what"] for e in health["events"] if e["actor"] == "sampler-1"] == ["fenced", "replaced"]
+    # the replacement joined a new sync generation with everyone else
+    assert ("join_sync", "sampler-1", 2) in actors.calls and ("join_sync", "trainer-0", 2) in actors.calls
+
+
+def test_a_hung_sampler_is_fenced_by_the_watchdog_and_replaced(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path), lambda a, c: a.hang("sampler-0", "generate", after=1))
+    assert [r["step"] for r in records] == [1, 2]
+    health = json.loads((ctl.run_dir / "health.json").read_text())
+    assert health["restarts"] == {"sampler-0": 1}
+    fenced = [e for e in health["events"] if e["what"] == "fenced"]
+    assert fenced and "hung in sampling" in fenced[0]["why"]
+
+
+def test_a_trainer_death_restarts_the_group_from_the_last_checkpoint(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path, trainer__steps=3),
+                               lambda a, c: a.fail("trainer-1", "train_step", after=2))
+    assert [r["step"] for r in records] == [1, 2, 3] and ctl.version == 3
+    assert actors.spawned.count("trainer-0") == actors.spawned.count("trainer-1") == 2
+    health = json.loads((ctl.run_dir / "health.json").read_text())
+    assert health["restarts"] == {"trainer-1": 1}
+    restarted = [e for e in health["events"] if e["what"] == "restarted"]
+    assert restarted and "from step 2" in restarted[0]["why"]  # checkpoint of step 2: step 3 is redone
+    ledger = [json.loads(x) for x in (ctl.run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [e["rollback_to"] for e in ledger if "rollback_to" in e] == [2]  # step 3's first try is voided
+    # the new trainers hold what they trained after the rewind: 3 updates (2 restored + 1 redone)
+    assert [t.step for _, t in actors.live_trainers()] == [3, 3]
+
+
+def test_past_max_restarts_the_job_stops_with_a_health_error(tmp_path):
+    with pytest.raises(HealthError, match=r"sampler-0 failed 3 times .*health.max_restarts=2"):
+        run(make_cfg(tmp_path), lambda a, c: a.fail("sampler-0", "generate", always=True))
