@@ -13,7 +13,8 @@ Counts (R rows of one sampler, G samples per prompt, mean generated length l, lo
     concurrent rows  c = min(S, R, rows the pool feeds: pages / (prompt pages / G + ceil(l / ps)))
     waves            W = ceil(R / c)
     decode steps     D = (W - 1) * l + T     (a wave's slots refill as rows stop; the last waits for its longest)
-    chunks           ceil(D / decode_chunk)  (the host admits rows between chunks)
+    chunks           ceil(D / decode_chunk)  (the host admits rows between chunks); W * ceil(T / decode_chunk)
+                     when every row runs T (a wave's rows stop together, in a short last chunk)
     slot-steps       b * D                   (b: the smallest slot bucket >= c; every chunk computes all of it)
     prefill          R / G prompts, once each, padded to the prefill row buckets
     history read     (prompt pages + the widest view) * page size tokens per slot per step: a chunk
@@ -119,8 +120,10 @@ def serve(g: EngineGrid, rows: int, mean_new: float, max_new: int) -> Waves:
     per_call = max(1, min(math.ceil(c / g.group), prompts))
     bucket = g.prefill_bucket(per_call)
     calls = math.ceil(prompts / bucket)
+    # rows of one length finish together: each wave ends on a short chunk; otherwise slots refill every chunk
+    chunks = waves * math.ceil(max_new / g.chunk) if mean_new >= max_new else math.ceil(steps / g.chunk)
     return Waves(rows=rows, prompts=prompts, concurrent=c, waves=waves, decode_steps=steps,
-                 chunks=math.ceil(steps / g.chunk), slot_bucket=sb, slot_steps=sb * steps, prefill_calls=calls,
+                 chunks=chunks, slot_bucket=sb, slot_steps=sb * steps, prefill_calls=calls,
                  prefill_prompts=calls * bucket, pool_rows=pool_rows)
 
 

@@ -2,7 +2,7 @@
 ones included: ``chips_per_sampler``/``chips_per_trainer`` as the plan chose them).
 
 Only ``placement`` changes (async as ``staleness: 1`` with ``trainer.off_policy_correction: tis``), plus the trainer's activation checkpointing and micro-batch size the
-plan chose (unless the placement is the config's own), and a sampler batch bucket when a sampler
+plan chose and the continuous engine's ``sampler.slots`` (unless the placement is the config's own), and a sampler batch bucket when a sampler
 now gets more rows than the largest one holds. The result is validated with the same schema and ``assign_roles`` that
 ``rltpu train`` runs before starting anything, so a written file cannot fail on placement.
 """
@@ -40,6 +40,8 @@ def placed_config(plan: Plan) -> dict:
         data["trainer"]["activation_checkpointing"] = c.checkpointing
         rows_t = plan.workload.rows / c.trainer_fsdp
         data["trainer"]["micro_batch_tokens"] = int(c.micro_rows * plan.workload.seq) if c.micro_rows < rows_t else 0
+    if c.slots and not c.as_configured:  # the continuous engine's slots the plan fitted (kv_pages=0 follows them)
+        data["sampler"]["slots"] = c.slots
     rows = plan.workload.rows // (c.sampler_chips // c.chips_per_sampler)
     buckets = list(data["sampler"]["batch_buckets"])
     if rows > max(buckets):
