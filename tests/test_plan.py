@@ -448,10 +448,9 @@ def quickstart_against(tmp_path_factory, shared_ray_head):
     res = run_plan(QUICKSTART, "--hardware", "cpu", "--rebench", "--write-config", out, "--out", tmp / "report",
                    timeout=600)
     assert res.returncode == 0, res.stderr
-    # the planner costs the sampler as the static engine (its probe runs that one): the run it is compared
-    # with uses it too; the written config runs with the default (continuous) engine
-    for cfg, steps, run, extra in ((QUICKSTART, 20, tmp / "run", ["sampler.engine=static"]),
-                                   (out, 3, tmp / "placed_run", [])):
+    # the run uses the default engine (continuous), the one the planner costs for this config (its probe runs
+    # that engine too: rltpu.plan.microbench.bench_jax_continuous_probe)
+    for cfg, steps, run, extra in ((QUICKSTART, 20, tmp / "run", []), (out, 3, tmp / "placed_run", [])):
         train = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", cfg, f"trainer.steps={steps}", *extra,
                                 "progress=false", "--run-dir", run, "--address", shared_ray_head], cwd=ROOT,
                                capture_output=True, text=True, timeout=900,
