@@ -422,9 +422,9 @@ class EvalConfig(_Section):
     messages_key: str = "messages"
     # the prompt format; unset: the task's (task.prompt_template, chat_template, system_prompt, chat_template_kwargs)
     prompt_template: str | None = None
-    chat_template: bool = False
-    system_prompt: str | None = None
-    chat_template_kwargs: dict[str, Any] = {}
+    chat_template: bool = False  # as task.chat_template (unset: the task's)
+    system_prompt: str | None = None  # as task.system_prompt (unset: the task's)
+    chat_template_kwargs: dict[str, Any] = {}  # as task.chat_template_kwargs (unset: the task's)
     every_steps: int = Field(0, ge=0)  # 0: only at the end
     at_end: bool = True
     greedy: bool = True

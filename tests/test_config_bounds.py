@@ -122,7 +122,7 @@ def _cases() -> list[tuple[str, str, object]]:
     cases += [(f"{s}.no_such_key", "unknown", 1) for s in sorted(sections)] + [("no_such_section", "unknown", {})]
     cases += [("name", "path", v) for v in ("../x", "a/b", "..", "/abs", "a\\b", "")]
     cases += [("model.path", "path", "/nonexistent/model"), ("task.dataset", "path", "prompts.txt"),
-              ("eval.dataset", "path", "held.csv"), ("task.reward_fn", "path", "no_colon"),
+              ("eval.dataset", "path", "held.txt"), ("task.reward_fn", "path", "no_colon"),
               ("task.reward_fn", "path", "../x:f"), ("env.path", "path", "a/b:C"),
               ("cluster.topology", "range", "1024x1024"), ("cluster.topology", "range", "4096x4096"),
               ("cluster.topology", "range", "0x2"), ("trainer.betas", "range", [2, 3]),

@@ -285,8 +285,9 @@ def test_config_keys_validate_in_one_line(jsonl):
     cfg = build_config({"task": {"dataset": str(jsonl), "prompt_key": "q", "tokenizer": "/t", "shuffle": False,
                                  "reward_fn": "rltpu.data.rewards:exact_answer", "reward_kwargs": {"column": "ref"}}})
     assert cfg.task.prompt_key == "q" and cfg.task.reward_kwargs == {"column": "ref"}
-    with pytest.raises(ConfigError, match=r"must end in .jsonl, .json, .parquet") as err:
-        build_config({"task": {"dataset": "data.csv"}})
+    with pytest.raises(ConfigError, match=r"must be a .jsonl, .json, .parquet, .csv file, a glob of them, a directory "
+                                          r"or a Hugging Face Hub dataset id") as err:
+        build_config({"task": {"dataset": "data.txt"}})
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="prompt_key and messages_key are both 'x'"):
         build_config({"task": {"prompt_key": "x", "messages_key": "x"}})

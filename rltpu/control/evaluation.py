@@ -9,7 +9,8 @@ workers score it; failed calls score ``task.reward_default`` and are counted as 
 With c correct of n samples, pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al.
 2021), mean@k is c / n (the expected share of k samples that are correct), both averaged over prompts.
 
-The prompts come from their own file, read once, in file order, and are handed straight to the
+The prompts come from their own dataset (``eval.dataset``: a file, or a Hub id's ``eval.split``, e.g.
+GSM8K's ``test``), read once, in file order, and are handed straight to the
 samplers: they never go through the training data stream or ``PromptDraws``, so they can never
 reach a training batch or ``ledger.jsonl``. The sampled pass uses a seed fixed for the run, so the
 same weights give the same figures.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -60,11 +60,9 @@ class Evaluator:
         """``episodes`` (an ``env:`` run): the samplers' inputs are the examples themselves (the
         environment's ``reset`` writes each first prompt) and a row's score is its episode return."""
         self.cfg = cfg
-        if not Path(cfg.dataset).is_file():
-            raise DatasetError(f"eval.dataset {cfg.dataset!r} does not exist; point it at a held-out "
-                               f".jsonl/.json/.parquet file or remove the eval section")
         try:
-            data = PromptDataset.from_file(cfg.dataset, seed, False, tokenizer, cfg.prompt_key, cfg.messages_key)
+            # a file, glob, directory or Hub snapshot (eval.subset / eval.split), formatted like the task's prompts
+            data = PromptDataset.from_config(cfg, seed, tokenizer, shuffle=False)
             rows = range(min(len(data), cfg.max_prompts or len(data)))
             self.examples = [data.example(i) for i in rows]
             if episodes:

@@ -125,14 +125,16 @@ class HFTokenizer:
             ids = ids[:cut]
         return self._tok.decode(ids, skip_special_tokens=not show_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """Chat messages -> the prompt text, ending with the assistant turn's header (unless
-        ``add_generation_prompt`` is False: multi-turn rendering compares the two)."""
+        ``add_generation_prompt`` is False: multi-turn rendering compares the two). ``template_kwargs``
+        are the template's own variables (``task.chat_template_kwargs``: Qwen3's ``enable_thinking``)."""
         if not self.chat_template:
             raise TokenizerError(f"the tokenizer in '{self.directory}' has no chat_template; add one to "
                                  f"tokenizer_config.json (or chat_template.jinja), or give the dataset a "
                                  f"'prompt' text column instead of 'messages'")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
 
     def save(self, directory: str | Path) -> None:
         """Copy the tokenizer's files (and generation_config.json) verbatim into ``directory``."""

@@ -4,12 +4,19 @@
     build_dataset(cfg, tok)     -> SyntheticPromptDataset | PromptDataset
 
 A prompt file is JSON Lines (``.jsonl``), a JSON list of objects (``.json``) or Parquet
-(``.parquet``, needs ``pip install 'rltpu[data]'``). Each row has a text prompt
+(``.parquet``, needs ``pip install 'rltpu[data]'``), read here. A CSV file, a glob of files, a
+directory or a Hub dataset id (resolved to its snapshot directory by ``rltpu.data.hub``) is read by
+``datasets.load_dataset`` (``task.subset``, ``task.split``; the ``data`` extra). Each row has a text prompt
 (``task.prompt_key``, default ``prompt``) or chat messages (``task.messages_key``, default
 ``messages``: a list of ``{"role", "content"}``, rendered with the tokenizer's chat template and
 ``add_generation_prompt=True``; messages win when a row has both). Every other column is passed
 through to the reward function in ``example`` (e.g. a reference ``answer``); ``example["prompt"]``
 is always the text the policy saw, ``example["id"]`` the row index unless the file has an ``id``.
+
+A :class:`PromptFormat` (``task.prompt_template``, ``chat_template``, ``system_prompt``,
+``chat_template_kwargs``) turns a row into the prompt text: ``prompt_template.format(**row)`` or the
+prompt column, rendered as a user turn after the system prompt when ``chat_template`` is on
+(GSM8K: ``{question}`` plus an instruction, Qwen3's ``enable_thinking: false``).
 
 Both dataset kinds share one interface: ``next_batch(n)``, ``encode(example, tokenizer)``,
 ``probe_texts(n)``, ``cursor`` and ``state_dict``/``load_state_dict`` (epoch, position), so the
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +189,58 @@ def _read_parquet(path: Path, prompt_key: str, messages_key: str) -> tuple[list[
     return rows, [f"{path} row {i}" for i in range(len(rows))]
 
 
+FILE_READERS = (".jsonl", ".json", ".parquet")  # read here; everything else goes through datasets.load_dataset
+BUILDERS = {".csv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' builder by suffix
+
+
+def read_with_datasets(spec: str, subset: str | None, split: str) -> tuple[list[dict], list[str]]:
+    """Rows of a CSV file, a glob (its suffix picks the reader) or a directory (a Hub snapshot: its README's
+    configs name the subsets and splits) through ``datasets.load_dataset``; one-line errors."""
+    import glob as globlib
+
+    is_glob = any(c in spec for c in "*?[")
+    p = Path(spec)
+    if is_glob or p.is_file():
+        suffix = next((s for s in BUILDERS if spec.lower().endswith(s)), None)
+        if suffix is None:
+            raise DatasetError(f"dataset '{spec}': unknown file type; use {', '.join(BUILDERS)} files")
+        if is_glob and not globlib.glob(spec, recursive=True):
+            raise DatasetError(f"dataset glob '{spec}' matches no file (relative paths are from the current directory)")
+        args, kwargs, split = (BUILDERS[suffix],), {"data_files": spec}, "train"  # files are one split
+    elif p.is_dir():
+        args, kwargs = (spec, subset), {}
+    else:
+        raise DatasetError(f"dataset '{spec}' does not exist (a file, a glob, a directory, or a Hugging Face Hub id "
+                           f"org/name, which rltpu train resolves; relative paths are from the current directory)")
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"reading {spec} needs datasets: pip install 'rltpu[data]' (or run make setup)") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        ds = datasets.load_dataset(*args, split=split, **kwargs)
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for a bad subset, split or file
+        text = str(err).strip().splitlines()
+        raise DatasetError(f"dataset '{spec}' (subset {subset!r}, split {split!r}): {text[0][:300] if text else type(err).__name__}"
+                           f"; set task.subset / task.split (eval.subset / eval.split) to one it has") from None
+    rows = ds.to_list()
+    return rows, [f"{spec} [{split}] row {i}" for i in range(len(rows))]
+
+
+def read_rows(spec: str, subset: str | None = None, split: str = "train", prompt_key: str = "prompt",
+              messages_key: str = "messages") -> tuple[list, list]:
+    """Rows of any dataset ``task.dataset`` names (validated as :func:`read_prompt_file`'s are)."""
+    if spec.lower().endswith(FILE_READERS) and not any(c in spec for c in "*?["):
+        return read_prompt_file(spec, prompt_key, messages_key)
+    rows, where = read_with_datasets(spec, subset, split)
+    if not rows:
+        raise DatasetError(f"dataset '{spec}' [{split}] has no rows")
+    for row, at in zip(rows, where):
+        _check_row(row, at, prompt_key, messages_key)
+    return rows, where
+
+
 def read_prompt_file(path: str | Path, prompt_key: str = "prompt", messages_key: str = "messages") -> tuple[list, list]:
     """Rows of a prompt file and, per row, where it is (``file:line`` or ``file row N``), validated:
     each row has a string prompt or a list of ``{role, content}`` messages."""
@@ -243,6 +303,50 @@ def _check_row(row: dict, at: str, prompt_key: str, messages_key: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Prompt format
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a row becomes the prompt text (``task.prompt_template`` ... ``chat_template_kwargs``)."""
+
+    template: str | None = None
+    chat: bool = False
+    system: str | None = None
+    chat_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, section) -> "PromptFormat":
+        """From ``cfg.task`` or ``cfg.eval`` (both carry the four keys)."""
+        return cls(section.prompt_template, section.chat_template, section.system_prompt,
+                   dict(section.chat_template_kwargs))
+
+    def text(self, row: dict, prompt_key: str) -> str:
+        if self.template is None:
+            return row[prompt_key]
+        try:
+            return self.template.format_map(row)
+        except KeyError as err:
+            raise DatasetError(f"task.prompt_template names column {err} but the row has only "
+                               f"{', '.join(map(str, row))}") from None
+        except (ValueError, IndexError) as err:
+            raise DatasetError(f"task.prompt_template {self.template[:40]!r} is not a format string ({err}); "
+                               f"write columns as {{name}} and literal braces as {{{{ }}}}") from None
+
+    def messages(self, row: dict, prompt_key: str, messages_key: str) -> list[dict] | None:
+        """The chat turns of ``row`` (None: a plain text prompt, no template)."""
+        if row.get(messages_key) is not None:
+            turns = list(row[messages_key])
+        elif self.chat:
+            turns = [{"role": "user", "content": self.text(row, prompt_key)}]
+        else:
+            return None
+        if self.system is not None and turns[0].get("role") != "system":
+            turns.insert(0, {"role": "system", "content": self.system})
+        return turns
+
+
+# ---------------------------------------------------------------------------------------------
 # The file-backed dataset
 
 
@@ -250,13 +354,17 @@ class PromptDataset:
     """An endless, epoch-shuffled stream over the rows of a prompt file (held in memory)."""
 
     def __init__(self, rows: list[dict], where: list[str], seed: int, shuffle: bool = True, tokenizer=None,
-                 prompt_key: str = "prompt", messages_key: str = "messages", source: str = "<rows>"):
+                 prompt_key: str = "prompt", messages_key: str = "messages", source: str = "<rows>",
+                 fmt: PromptFormat | None = None):
         self.rows, self.where, self.seed, self.shuffle = rows, where, seed, shuffle
         self.prompt_key, self.messages_key, self.source = prompt_key, messages_key, source
+        self.fmt = fmt or PromptFormat()
         self.tokenizer = tokenizer
         self.cursor = Cursor()
         self._order = self._permutation(0)
-        first_chat = next((i for i, r in enumerate(rows) if r.get(messages_key) is not None), None)
+        if rows and self.fmt.template is not None:
+            self.fmt.text(rows[0], prompt_key)  # a column the template names is missing: fail at start
+        first_chat = next((i for i, r in enumerate(rows) if self._is_chat(r)), None)
         if first_chat is not None:
             if not hasattr(tokenizer, "apply_chat_template"):
                 raise DatasetError(f"{where[first_chat]}: chat '{messages_key}' need a tokenizer with a chat template; "
@@ -270,9 +378,13 @@ class PromptDataset:
         return cls(rows, where, seed, shuffle, tokenizer, prompt_key, messages_key, source=str(path))
 
     @classmethod
-    def from_config(cls, task_cfg, seed: int, tokenizer) -> "PromptDataset":
-        return cls.from_file(task_cfg.dataset, seed, task_cfg.shuffle, tokenizer, task_cfg.prompt_key,
-                             task_cfg.messages_key)
+    def from_config(cls, section, seed: int, tokenizer, shuffle: bool | None = None) -> "PromptDataset":
+        """From ``cfg.task`` (or ``cfg.eval``: the same dataset, subset, split and format keys)."""
+        rows, where = read_rows(section.dataset, section.subset, section.split, section.prompt_key,
+                                section.messages_key)
+        shuffle = getattr(section, "shuffle", False) if shuffle is None else shuffle
+        return cls(rows, where, seed, shuffle, tokenizer, section.prompt_key, section.messages_key,
+                   source=section.dataset, fmt=PromptFormat.from_config(section))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -282,9 +394,13 @@ class PromptDataset:
             return np.arange(len(self.rows))
         return np.random.default_rng([self.seed, 1_000_003, epoch]).permutation(len(self.rows))
 
+    def _is_chat(self, row: dict) -> bool:
+        return row.get(self.messages_key) is not None or self.fmt.chat
+
     def _render(self, index: int) -> str:
+        turns = self.fmt.messages(self.rows[index], self.prompt_key, self.messages_key)
         try:
-            return self.tokenizer.apply_chat_template(self.rows[index][self.messages_key])
+            return self.tokenizer.apply_chat_template(turns, **self.fmt.chat_kwargs)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - jinja raises many types
@@ -298,10 +414,10 @@ class PromptDataset:
         row = self.rows[index]
         ex = dict(row)
         ex.setdefault("id", index)
-        if row.get(self.messages_key) is not None:
+        if self._is_chat(row):
             ex["prompt"] = self._render(index)
         else:
-            ex["prompt"] = row[self.prompt_key]
+            ex["prompt"] = self.fmt.text(row, self.prompt_key)
         return ex
 
     def next_batch(self, n: int) -> list[dict]:
@@ -318,14 +434,14 @@ class PromptDataset:
     def encode(self, example: dict, tokenizer) -> list[int]:
         """Prompt ids. A rendered chat template already holds whatever BOS the model wants, so
         BOS is added only to plain text prompts."""
-        chat = example.get(self.messages_key) is not None
+        chat = example.get(self.messages_key) is not None or self.fmt.chat
         return tokenizer.encode(example["prompt"], add_bos=not chat)
 
     def probe_texts(self, n: int) -> list[tuple[str, bool]]:
         """The first ``n`` rows in file order as (text, add_bos), for the sync logit probe; does
         not move the cursor."""
         exs = [self.example(i) for i in range(min(n, len(self.rows)))]
-        return [(e["prompt"], e.get(self.messages_key) is None) for e in exs]
+        return [(e["prompt"], not self._is_chat(e)) for e in exs]
 
     def check_lengths(self, tokenizer, sampler_cfg) -> dict:
         """Encode every row once at start-up: prompt-token stats, and a one-line error naming the
