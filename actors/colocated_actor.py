@@ -1,14 +1,14 @@
 """One colocated process per trainer chip: an FSDP2 trainer rank *and* a sampler, phases alternating.
 
-It is a trainer actor (group ``trainer``, same rank, same process groups, same checkpoints) that
+It is a trainer rank (group ``trainer``, same rank, same process groups, same checkpoints) that
 also samples; weights pass in-process (``rltpu.sync.colocated.publish_local``), never over the sync
-fabric, so it has no ``join_sync`` / ``receive_weights`` and refuses ``push_weights``.
+fabric, so it has none of the fabric's methods (``join_sync``, ``push_weights``, ``receive_weights``).
 Both footprints stay resident (``memory()``, also in every ``report()``).
 """
 
 from __future__ import annotations
 
-from actors.trainer_actor import TrainerActor
+from actors.trainer_actor import TrainerRank
 from rltpu.observe.health import Heartbeat
 
 
@@ -24,7 +24,7 @@ class _ColocatedHeartbeat(Heartbeat):
         return out
 
 
-class ColocatedActor(TrainerActor):
+class ColocatedActor(TrainerRank):
     ROLES = {"colocated": True, "engines": ["trainer", "sampler"]}  # marks its claim and reports
 
     def __init__(self, rank: int, cfg_dict: dict):
@@ -43,7 +43,7 @@ class ColocatedActor(TrainerActor):
 
     # -- start-up: both engines ----------------------------------------------------------------
     def build(self, vocab_size: int, pad_id: int, eos_id: int, spec, cache_dir: str | None = None) -> list:
-        """The trainer engine exactly as ``TrainerActor.build``, then the sampler engine exactly as
+        """The trainer engine exactly as ``TrainerRank.build``, then the sampler engine exactly as
         ``SamplerActor.build``; returns the sampler's compile log. The sampler has no weights until
         ``publish_local``."""
         from rltpu.sampling.backend import build_backend
@@ -67,12 +67,6 @@ class ColocatedActor(TrainerActor):
         with self.hb.phase("syncing"):
             return publish_local(self.engine.model, self.sampler, self.spec, version, alias, keep_live)
 
-    def push_weights(self, spec, version: int) -> dict:
-        raise RuntimeError("a colocated actor has no sync fabric: call publish_local(version)")
-
-    def join_sync(self, *args) -> dict:
-        raise RuntimeError("a colocated actor has no sync fabric: call publish_local(version)")
-
     def weight_version(self) -> int:
         return self.sampler.version if self.sampler else -1
 
@@ -90,7 +84,7 @@ class ColocatedActor(TrainerActor):
     def sampler_probe_logits(self, tokens, position_ids, attention_mask):
         return self.sampler.probe_logits(tokens, position_ids, attention_mask)
 
-    # probe_logits (the trainer's), train_step, logprobs, values, checkpoints: TrainerActor's
+    # probe_logits (the trainer's), train_step, logprobs, values, checkpoints: TrainerRank's
 
     # -- reporting -----------------------------------------------------------------------------------
     def memory(self) -> dict:

@@ -1,4 +1,9 @@
-"""One trainer rank: owns its chips, runs one FSDP2 shard of the policy, sends weights."""
+"""One trainer rank: owns its chips, runs one FSDP2 shard of the policy, sends weights.
+
+``TrainerRank`` is what every trainer process does (claim, rendezvous, train, checkpoint);
+``TrainerActor`` adds the sync fabric (``join_sync``, ``push_weights``); a mode whose processes also
+sample (``actors/colocated_actor.py``) builds on ``TrainerRank`` and hands weights over in-process.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from rltpu.chips.runtime import ProcessRuntime, ray_identity
 from rltpu.sync.stores import free_port
 
 
-class TrainerActor:
+class TrainerRank:
     def __init__(self, rank: int, cfg_dict: dict):
         from rltpu.config import RunConfig
 
@@ -66,6 +71,31 @@ class TrainerActor:
         with self.hb.phase("training"), self.rt.modes():
             return self.engine.values(batch)
 
+    def probe_logits(self, tokens, position_ids, attention_mask):
+        with self.hb.phase("probe"), self.rt.modes():
+            return self.engine.probe_logits(tokens, position_ids, attention_mask)
+
+    def save_checkpoint(self, path: str, meta: dict) -> str:
+        """Collective over trainer ranks: each writes its own shards; rank 0 commits (learner/checkpoint.py)."""
+        with self.hb.phase("checkpointing"):
+            return str(self.engine.save_checkpoint(path, meta, self.cfg.checkpoint.keep_last, self.rt.trainer_group))
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Collective over trainer ranks: each reads only what overlaps its shards (any writer mesh)."""
+        with self.hb.phase("loading"):
+            return self.engine.load_checkpoint(path, self.rt.trainer_group)
+
+    def report(self) -> dict:
+        return self.rt.report()
+
+    def shutdown(self) -> None:
+        self.hb.stop()
+        self.rt.shutdown()
+
+
+class TrainerActor(TrainerRank):
+    """A trainer rank that sends its shards to the samplers over the sync fabric."""
+
     def join_sync(self, *args) -> dict:
         with self.hb.phase("join_sync"):
             return self.rt.join_sync(*args)
@@ -101,24 +131,3 @@ class TrainerActor:
             except Exception:
                 self.rt.fabric.close()  # this generation is spent; the controller builds the next
                 raise
-
-    def probe_logits(self, tokens, position_ids, attention_mask):
-        with self.hb.phase("probe"), self.rt.modes():
-            return self.engine.probe_logits(tokens, position_ids, attention_mask)
-
-    def save_checkpoint(self, path: str, meta: dict) -> str:
-        """Collective over trainer ranks: each writes its own shards; rank 0 commits (learner/checkpoint.py)."""
-        with self.hb.phase("checkpointing"):
-            return str(self.engine.save_checkpoint(path, meta, self.cfg.checkpoint.keep_last, self.rt.trainer_group))
-
-    def load_checkpoint(self, path: str) -> dict:
-        """Collective over trainer ranks: each reads only what overlaps its shards (any writer mesh)."""
-        with self.hb.phase("loading"):
-            return self.engine.load_checkpoint(path, self.rt.trainer_group)
-
-    def report(self) -> dict:
-        return self.rt.report()
-
-    def shutdown(self) -> None:
-        self.hb.stop()
-        self.rt.shutdown()

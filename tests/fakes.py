@@ -361,8 +361,8 @@ class FakeActors:
 class FakePlacement(Placement):
     """The real chip plan (roles, ranks, TP) with ``FakeActors`` in place of Ray's placement group."""
 
-    def __init__(self, cfg, actors: FakeActors):
-        super().__init__(cfg)
+    def __init__(self, cfg, mode, actors: FakeActors):
+        super().__init__(cfg, mode)
         self.actors = actors
 
     def start_cluster(self, address):

@@ -46,9 +46,9 @@ def make_cfg(tmp_path, **over):
     return build_config(data)
 
 
-def run(cfg, arrange=None, steps: int | None = None):
+def run(cfg, arrange=None, mode=None):
     actors = FakeActors(cfg.sampler.max_new_tokens)
-    ctl = Controller(cfg, placement=lambda c: FakePlacement(c, actors))
+    ctl = Controller(cfg, placement=lambda c, m: FakePlacement(c, m, actors), mode=mode)
     try:
         ctl.start()
         if arrange:
@@ -144,3 +144,34 @@ def test_a_trainer_death_restarts_the_group_from_the_last_checkpoint(tmp_path):
 def test_past_max_restarts_the_job_stops_with_a_health_error(tmp_path):
     with pytest.raises(HealthError, match=r"sampler-0 failed 3 times .*health.max_restarts=2"):
         run(make_cfg(tmp_path), lambda a, c: a.fail("sampler-0", "generate", always=True))
+
+
+def test_a_new_placement_mode_is_one_class_here(tmp_path):
+    """A toy mode, defined only in this test: disaggregated processes, but the samplers receive
+    weights every other version (its own weight handoff, wrapping the fabric's)."""
+    from rltpu.control.modes import PlacementMode
+
+    class EveryOtherSync:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def push(self, version: int) -> dict:
+            if version % 2:
+                return {k: 0 for k in ("seconds", "bytes", "host_bytes", "ici_bytes", "dcn_bytes", "zero_copy_frac")}
+            return self.inner.push(version)
+
+    class EveryOtherSyncMode(PlacementMode):
+        name = "every-other-sync"
+
+        def handoff(self, *args):
+            return EveryOtherSync(super().handoff(*args))
+
+    cfg = make_cfg(tmp_path, trainer__steps=3, sync__verify_every=0)
+    ctl, actors, records = run(cfg, mode=EveryOtherSyncMode(cfg.placement))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["sampler_weight_versions"] for r in records] == [[0, 0], [2, 2], [2, 2]]
+    assert [r["sampler_versions"] for r in records] == [[0], [0], [2]]  # the rows each step trained on
+    assert sorted(actors.fabric) == [0, 2]

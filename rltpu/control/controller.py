@@ -11,10 +11,9 @@ One step (``Controller.step``), on-policy:
      step (version v+1);
   4. the new weights go to every sampler (``WeightSync``);
   5. one line goes to ``metrics.jsonl`` (``records.step_record``).
-Placement modes change steps 1 and 4 only: with ``placement.staleness`` s > 0 the rollouts of steps
-k+1..k+s are already being generated while step k trains (``_step_async``, ``RolloutQueue``); with
-``placement.mode: colocated`` each trainer process also runs its chip's sampler and weights pass
-in-process.
+A placement mode (``rltpu.control.modes``) owns what differs between placements: the step's
+shape (``mode.step``: on-policy, or async where rollouts of steps k+1..k+s are generated while step
+k trains), the weight handoff of step 4, and the actor classes; the loop here has no mode branches.
 
 The controller owns its parts and wires them; each is a plain object with its own module:
 ``Placement`` (chips, placement group, actor handles, ``placement.json``), ``WeightSync``,
@@ -47,13 +46,13 @@ from rltpu.control.checkpoints import Checkpoints
 from rltpu.control.environments import EnvPool
 from rltpu.control.interrupts import INTERRUPTS
 from rltpu.control.evaluation import Evaluator
+from rltpu.control.modes import PlacementMode, mode_for
 from rltpu.control.placement import Placement
 from rltpu.control.records import StepTimes, step_record
 from rltpu.control.rewards import (RayRewardWorkers, RewardBatch, RewardFailureError, RewardPool,
                                    decode_completions)
-from rltpu.control.rollouts import PromptDraws, Rollout, RolloutQueue
+from rltpu.control.rollouts import PromptDraws, RolloutQueue
 from rltpu.control.supervisor import Supervisor
-from rltpu.control.weights import WeightSync
 from rltpu.data.rewards import load_reward_fn
 from rltpu.data.envs.base import load_env_class, make_env
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
@@ -130,18 +129,19 @@ def fabric_warning(host: str, port: int) -> str | None:
 
 class Controller:
     def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False,
-                 placement: Callable[[RunConfig], Placement] = Placement):
+                 placement: Callable[[RunConfig, PlacementMode], Placement] = Placement,
+                 mode: PlacementMode | None = None):
         """``placement``: builds the chip plan and the actors on it (Ray's placement group; the
-        controller tests pass the in-process fakes of ``tests/fakes.py``)."""
+        controller tests pass the in-process fakes of ``tests/fakes.py``). ``mode``: the placement
+        mode (default: the one ``placement.mode`` / ``placement.staleness`` name)."""
         self.address, self.resume = address or cfg.cluster.address, resume
-        self.colocated = cfg.placement.mode == "colocated"
-        self.staleness = cfg.placement.staleness
+        self.mode = mode or mode_for(cfg.placement)
         self.run_dir = cfg.resolved_run_dir
         # one factory for both data sources: the built-in task + char tokenizer, or a prompt file +
         # a Hugging Face tokenizer (whose extra EOS ids become sampler stop tokens)
         self.tokenizer = build_tokenizer(cfg)
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
-        self.placement = placement(cfg)  # the chip plan; raises before anything starts
+        self.placement = placement(cfg, self.mode)  # the chip plan; raises before anything starts
         self.vocab = resolve_vocab(cfg, self.tokenizer)
         bad = [t for t in cfg.sampler.stop_token_ids if t >= self.vocab]
         if bad:  # an id past the vocabulary never stops a row (or indexes past the logits)
@@ -171,17 +171,17 @@ class Controller:
         self.probe = self.probe_batch()
         self.version, self.step_idx = 0, 0
         self.draws = PromptDraws(self.data, Ledger(self.run_dir / "ledger.jsonl"))
-        self.rollouts = RolloutQueue()  # async mode only
+        self.rollouts = RolloutQueue()  # rollouts drawn ahead of their step (async mode)
         self.interrupted_record: dict | None = None  # the metrics of a step interrupted after its update
         self.started = False  # start-up finished: the trainers hold the state this controller knows
         self.writer = None
         self.steps_run = 0  # steps this process ran (metrics.jsonl has every one; memory keeps a window)
         self.recent: deque[dict] = deque(maxlen=max(cfg.trainer.target_window, 5))
-        self._data_before: dict | None = None  # the data cursor before the current step drew
+        self.data_before: dict | None = None  # the data cursor before the current step drew
         self.handle_signals = False  # the CLI sets it: SIGINT/SIGTERM -> KeyboardInterrupt (INTERRUPTS)
         self.ray = None
         self._ray_temp: Path | None = None  # Ray's session files in a /tmp/rltpu-ray-* this run made
-        self.weights: WeightSync | None = None
+        self.weights = None  # the mode's weight handoff
         self.checkpoints: Checkpoints | None = None
         self.compile_log, self.compile_summary = [], {}
         self._reward_parts: dict = {}
@@ -216,7 +216,7 @@ class Controller:
         self._check_interrupt()
         g = p.groups
         d = self.cfg.health.deadlines
-        self.weights = WeightSync(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, self.colocated, d)
+        self.weights = self.mode.handoff(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, d)
         # --resume PATH: the controller's resume is that checkpoint's path (rltpu.control.checkpoints)
         self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir,
                                        source=self.resume if isinstance(self.resume, Path) else None)
@@ -230,7 +230,7 @@ class Controller:
             self.envs = EnvPool(ray, self.cfg, len(g.samplers))
             self.envs.start()
         n_t = len(g.trainers)
-        members = g.trainers if self.colocated else g.trainers + g.samplers
+        members = self.mode.process_group_members(g)
         master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
         warning = fabric_warning(master, port)
         if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
@@ -244,7 +244,7 @@ class Controller:
             raise ConfigError(f"reward_model {self.cfg.reward_model.path} has vocab_size {min(rm_vocab)} < the "
                               f"policy's {self.vocab}; the reward model must share the policy's tokenizer")
         t_compile = time.perf_counter()
-        compiles = builds if self.colocated else self.build_samplers(range(len(g.samplers)))
+        compiles = builds if self.mode.samplers_built_by_trainers() else self.build_samplers(range(len(g.samplers)))
         bounded_get(ray, builds, "loading", d, "the trainer engines")
         self.compile_log = bounded_get(ray, compiles, "compiling", d, "the sampler programs")
         self._report_compiling(time.perf_counter() - t_compile)
@@ -254,12 +254,7 @@ class Controller:
         self.weights.join()
         self.weights.push(self.version)
         extra = {"compile_log": self.compile_log, "compiling": self.compile_summary,
-                 "ray_temp_dir": str(self._ray_temp) if self._ray_temp else None}
-        if self.colocated:  # both roles resident in one process: what each process holds, measured
-            extra["memory"] = bounded_get(ray, [t.memory.remote() for t in g.trainers], "probe", d, "memory reports")
-        else:  # each sampler's mesh and the weight bytes on each of its devices (1/k with TP), measured
-            extra["sampler_layout"] = bounded_get(ray, [s.layout.remote() for s in g.samplers], "probe", d,
-                                                  "sampler layouts")
+                 "ray_temp_dir": str(self._ray_temp) if self._ray_temp else None} | self.mode.placement_extra(self)
         try:
             p.write(self.run_dir / "placement.json", extra)
         except OSError as err:  # a debug file: its failure is a warning, not the end of the job
@@ -288,13 +283,11 @@ class Controller:
         return str(Path(shared).resolve()) if shared else str((self.run_dir / "jax_cache").resolve())
 
     def build_trainers(self) -> list:
-        """Start every trainer's engine (colocated: and its in-process sampler, whose compile log
-        the call returns); refs, so the caller can overlap them with other builds."""
-        trainers = self.placement.groups.trainers
-        if self.colocated:
-            return [t.build.remote(self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec,
-                                   self._cache_dir()) for t in trainers]
-        return [t.build.remote(self.vocab) for t in trainers]
+        """Start every trainer's engine (and, where the mode says so, its in-process sampler, whose
+        compile log the call returns); refs, so the caller can overlap them with other builds."""
+        sampler_args = (self.vocab, self.tokenizer.pad_id, self.tokenizer.eos_id, self.spec, self._cache_dir())
+        args = self.mode.trainer_build_args(self.vocab, sampler_args)
+        return [t.build.remote(*args) for t in self.placement.groups.trainers]
 
     def build_samplers(self, ranks) -> list:
         """Compile the sampler engines of ``ranks`` (from the JAX disk cache when enabled); refs."""
@@ -315,15 +308,10 @@ class Controller:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> dict:
-        if self.staleness:
-            return self._step_async()
-        t_step = time.perf_counter()
-        self.phase = "sample"
-        t0 = time.perf_counter()
-        gen, rewards, outs, ds = self._sample_scored(self.cfg.sampler.group_size)
-        return self._train_and_sync(gen, rewards, outs, ds, t_step, time.perf_counter() - t0)
+        """One step in the mode's shape (``rltpu.control.modes``): sample, score, train, sync."""
+        return self.mode.step(self)
 
-    def _generate(self, shards: list, G: int, seed: int, submitted: dict | None = None, on_shard=None,
+    def generate(self, shards: list, G: int, seed: int, submitted: dict | None = None, on_shard=None,
                   greedy_eval: bool | None = None) -> list[dict]:
         """Every sampler's shard (seed + rank); a shard whose sampler failed is redone, with the same
         seed, on its replacement. ``submitted``: rank -> (handle, ref) of calls already issued (async
@@ -368,56 +356,18 @@ class Controller:
                 raise errors[0]
         return outs
 
-    # -- async off-policy (placement.staleness = s > 0) -------------------------------------------
-    def _step_async(self) -> dict:
-        """Step t trains on a rollout the samplers started earlier; before waiting for it, rollouts
-        up to step t+s are handed out, so the samplers generate while the trainers train.
-
-        A sampler runs its calls in order, so a rollout submitted after the sync of version v was
-        issued is generated by weights >= v. Rollout t+s is submitted once version t-1 is synced:
-        trained at step t+s (policy version t+s-1), it lags by at most s versions. The lag is
-        measured from the versions the samplers stamp on every row, and checked.
-        """
-        t_step = time.perf_counter()
-        self.phase = "sample"
-        q = self.rollouts
-        last = min(self.step_idx + 1 + self.staleness, self.cfg.trainer.steps)
-        while q.last_step(self.step_idx) < last:
-            self._submit_rollout(q.last_step(self.step_idx) + 1)
-        t0 = time.perf_counter()
-        ro = q.current = q.inflight.popleft()
-        G = self.cfg.sampler.group_size
-        scoring = self._scoring(ro.examples, G)
-        outs = self._generate(ro.shards, G, ro.seed, ro.refs, on_shard=scoring.submit)
-        gen = merge_generations(outs, self.tokenizer.pad_id)
-        rewards = self._rewards(gen, scoring)
-        lag = self.version - np.asarray(gen["versions"])
-        if lag.max() > self.staleness:
-            raise RuntimeError(f"rollout for step {ro.step} came from weight version {int(gen['versions'].min())}, "
-                               f"{int(lag.max())} behind v{self.version} > placement.staleness={self.staleness}")
-        self.draws.pending = ro.drawn
-        ds = {"staleness": int(lag.max()), "staleness_mean": float(lag.mean()),
-              "rollouts_in_flight": len(q.inflight)}
-        return self._train_and_sync(gen, rewards, outs, ds, t_step, time.perf_counter() - t0)
-
-    def _submit_rollout(self, step: int) -> None:
-        """Draw step ``step``'s prompts and hand them to the samplers (returns at once)."""
-        cfg, n, q = self.cfg, self.cfg.trainer.prompts_per_step, self.rollouts
-        data_before, saved = self.data.state_dict(), self.draws.pending
-        q.submitting, self.draws.pending = data_before, []  # an interrupt mid-draw still rewinds to here
-        examples = self.draws.draw(n)
-        drawn, self.draws.pending = self.draws.pending, saved
+    def submit_shards(self, shards: list, G: int, seed: int) -> dict:
+        """Hand every sampler its shard and return at once: rank -> (handle, ref), for ``generate``."""
         samplers = self.placement.groups.samplers
-        shards = self._shards(examples)
-        seed = cfg.seed * 1_000_003 + (step - 1) * 131  # what the on-policy loop uses for this step
-        G = cfg.sampler.group_size
-        refs = {r: (s, self.envs.run(r, s, shards[r], G, seed + r) if self.envs is not None
+        return {r: (s, self.envs.run(r, s, shards[r], G, seed + r) if self.envs is not None
                     else s.generate.remote(shards[r], G, seed + r)) for r, s in enumerate(samplers)}
-        q.inflight.append(Rollout(step, data_before, drawn, examples, shards, seed, refs))
-        q.submitting = None
+
+    def get_probe(self, refs, what: str):
+        """Wait on probe calls (layouts, memory reports) within ``health.deadlines.probe``."""
+        return bounded_get(self.ray, refs, "probe", self.cfg.health.deadlines, what)
 
     # -- sample and score (on-policy) ---------------------------------------------------------------
-    def _sample_scored(self, G: int) -> tuple[dict, np.ndarray, list[dict], dict]:
+    def sample_scored(self, G: int) -> tuple[dict, np.ndarray, list[dict], dict]:
         """Sample and score ``prompts_per_step`` prompts x G; with ``trainer.dynamic_sampling`` keep
         only groups whose rewards differ (DAPO), sampling more prompts until the batch is full.
 
@@ -430,12 +380,12 @@ class Controller:
         rounds, have, seen = 0, 0, 0
         while have < n and rounds < (cfg.trainer.max_sample_rounds if cfg.trainer.dynamic_sampling else 1):
             examples = self.draws.draw(n)  # next_batch(n), recording prompt ids for the ledger
-            shards = self._shards(examples)
+            shards = self.shards(examples)
             seed = cfg.seed * 1_000_003 + self.step_idx * 131 + rounds * 7
-            scoring = self._scoring(examples, G)  # each shard's rows go to the reward workers as they arrive
-            outs = self._generate(shards, G, seed, on_shard=scoring.submit)  # a failed shard is redone
+            scoring = self.scoring(examples, G)  # each shard's rows go to the reward workers as they arrive
+            outs = self.generate(shards, G, seed, on_shard=scoring.submit)  # a failed shard is redone
             gen = merge_generations(outs, self.tokenizer.pad_id)
-            rewards = self._rewards(gen, scoring)
+            rewards = self.score(gen, scoring)
             outs_all.append(outs)
             sampled.append(rewards)
             rounds, seen = rounds + 1, seen + n
@@ -451,7 +401,7 @@ class Controller:
             "ds_filler_groups": filler, "reward_mean_trained": float(rewards.mean()),
             "reward_mean_sampled": float(np.concatenate(sampled).mean())}
 
-    def _shards(self, examples: list[dict]) -> list[list]:
+    def shards(self, examples: list[dict]) -> list[list]:
         """One shard per sampler: prompt ids, or (env) the examples, whose first prompt the
         environment's ``reset`` writes in the environment worker."""
         if self.envs is not None:
@@ -460,11 +410,11 @@ class Controller:
         check_prompt_lengths(prompt_ids, examples, self.cfg.sampler)
         return split_prompts(prompt_ids, len(self.placement.groups.samplers))
 
-    def _scoring(self, examples: list[dict], G: int) -> "_ShardScoring":
+    def scoring(self, examples: list[dict], G: int) -> "_ShardScoring":
         return _ShardScoring(self.rewards, self.tokenizer, split_prompts(examples, len(self.placement.groups.samplers)),
                              G, episodes=self.envs is not None)
 
-    def _rewards(self, gen: dict, scoring: "_ShardScoring") -> np.ndarray:
+    def score(self, gen: dict, scoring: "_ShardScoring") -> np.ndarray:
         """``task.reward_weight x reward_fn`` (from the reward workers; too many failed calls stop the
         job) plus, with a reward-model group, its scores (rows split over the reward actors).
         Component means go to this step's metrics."""
@@ -487,7 +437,7 @@ class Controller:
         return combine_rewards(rule, rm, self.cfg.task.reward_weight, self.cfg.reward_model)
 
     # -- train, sync, metrics (both modes) ---------------------------------------------------------
-    def _train_and_sync(self, gen: dict, rewards: np.ndarray, outs: list[dict], ds: dict, t_step: float,
+    def train_and_sync(self, gen: dict, rewards: np.ndarray, outs: list[dict], ds: dict, t_step: float,
                         sample_s: float) -> dict:
         ray, cfg = self.ray, self.cfg
         trainers = self.placement.groups.trainers
@@ -620,10 +570,7 @@ class Controller:
     def _record(self, gen, rewards, outs, ds, batch, kl, stats, sync, probe, times: StepTimes) -> dict:
         if self.cfg.loggers.samples:
             self._log_samples(gen, rewards)
-        if self.colocated and sync is not None:  # both roles resident: what each process holds now
-            mem = self._get([t.memory.remote() for t in self.placement.groups.trainers], "probe", "memory reports")
-            ds = dict(ds, proc_rss_mb=max(m["rss_bytes"] for m in mem) / 2**20,
-                      proc_peak_rss_mb=max(m["peak_rss_bytes"] for m in mem) / 2**20)
+        ds = dict(ds, **self.mode.record_extra(self, sync))
         return step_record(self.cfg, step=self.step_idx, version=self.version, emulated=self.emulated, gen=gen,
                            rewards=rewards, outs=outs, n_samplers=len(self.placement.groups.samplers), extra=ds,
                            batch=batch, kl=kl, stats=stats, sync=sync, probe=probe, times=times,
@@ -709,11 +656,11 @@ class Controller:
         cfg = self.cfg
         self.writer = build_loggers(cfg, self.run_dir, cfg.trainer.steps - self.step_idx)
         records = self.recent
-        self._data_before = self.data.state_dict()
+        self.data_before = self.data.state_dict()
         while (self.step_idx < cfg.trainer.steps and not self._reached_target(list(records))) \
                 or not self._saved_final():  # a failed final save rewinds
-            self._data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
-            data_before = self._data_before
+            self.data_before, self.phase, step_before = self.data.state_dict(), "idle", self.step_idx
+            data_before = self.data_before
             self.draws.pending = []
             self.rewards.begin_step(self.step_idx + 1)  # a redone step counts its reward failures afresh
             try:
@@ -734,8 +681,7 @@ class Controller:
             except Exception as err:  # noqa: BLE001 - an actor died or hung: replace, rewind, redo
                 self.interrupted_record = None  # a rewind redoes the step; its line comes then
                 self.phase = "idle"
-                if self.staleness:  # async: every untrained rollout is redrawn after the recovery
-                    data_before, step_before = self.rollouts.drop(self.data), self.step_idx
+                data_before, step_before = self.mode.failed_step_cursor(self, data_before, step_before)
                 self.supervisor.recover(err, data_before, step_before)
             self.supervisor.maybe_write_trace()  # throttled; a failed write is a warning
         self._close_writer()
@@ -773,7 +719,7 @@ class Controller:
         pieces = [prompt_ids[i:i + per_call] for i in range(0, len(prompt_ids), per_call)]
         outs = []
         for i in range(0, len(pieces), len(samplers)):
-            outs += self._generate(pieces[i:i + len(samplers)], n, seed + 1009 * i, greedy_eval=greedy)
+            outs += self.generate(pieces[i:i + len(samplers)], n, seed + 1009 * i, greedy_eval=greedy)
         gen = merge_generations(outs, self.tokenizer.pad_id)
         if self.envs is not None:  # episodes arrive scored
             gen["rewards"] = np.concatenate([o["rewards"] for o in outs])
@@ -805,9 +751,7 @@ class Controller:
         try:
             # the cursor: if the interrupted step never reached the trainers its prompts go back, so
             # a resume samples them again (async: before every untrained rollout)
-            data_state = (self._untrained_data_state() if self.staleness else
-                          self._data_before if phase == "sample" and self._data_before is not None
-                          else self.data.state_dict())
+            data_state = self.mode.interrupt_cursor(self, phase)
             self.phase = "checkpoint"
             self.save_checkpoint(data_state)
             saved = self.step_idx

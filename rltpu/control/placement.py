@@ -28,27 +28,15 @@ def actor_env(cfg: RunConfig) -> dict[str, str]:
             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
-def actor_classes(colocated: bool = False) -> dict:
-    from actors.reward_actor import RewardActor
-    from actors.sampler_actor import SamplerActor
-    from actors.trainer_actor import TrainerActor
-
-    if colocated:  # one process per trainer chip runs both engines
-        from actors.colocated_actor import ColocatedActor
-
-        TrainerActor = ColocatedActor  # noqa: N806
-    return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
-
-
 class ActorGroups:
     """The chip-owning actor handles by role, keyed ``"<role>-<rank>"`` for health and fencing.
 
-    Colocated: the samplers *are* the trainer processes (the same list, so a replaced trainer is
-    the replaced sampler) and are keyed once, as trainers.
+    ``shared`` (a mode whose processes run both engines): the samplers *are* the trainer processes
+    (the same list, so a replaced trainer is the replaced sampler) and are keyed once, as trainers.
     """
 
-    def __init__(self, colocated: bool):
-        self.colocated = colocated
+    def __init__(self, shared: bool):
+        self.shared = shared
         self.trainers: list = []
         self.samplers: list = []
         self.rewarders: list = []
@@ -58,7 +46,7 @@ class ActorGroups:
 
     def keys(self) -> dict[str, tuple[Role, int]]:
         groups = [(Role.TRAINER, self.trainers), (Role.SAMPLER, self.samplers), (Role.REWARD, self.rewarders)]
-        if self.colocated:
+        if self.shared:
             groups.pop(1)
         return {f"{role.value}-{r}": (role, r) for role, group in groups for r in range(len(group))}
 
@@ -67,16 +55,20 @@ class ActorGroups:
         return self.group(role)[rank]
 
     def processes(self) -> list:
-        """Every chip-owning actor once (colocated trainers are also the samplers)."""
-        return self.trainers + ([] if self.colocated else self.samplers) + self.rewarders
+        """Every chip-owning actor once (shared processes are both trainer and sampler)."""
+        return self.trainers + ([] if self.shared else self.samplers) + self.rewarders
 
 
 class Placement:
     """The chip table and role plan, the Ray cluster, the placement group and the actors on it."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, mode=None):
+        """``mode``: the placement mode (``rltpu.control.modes``): which actor class runs each role."""
+        from rltpu.control.modes import mode_for
+
         self.cfg = cfg
-        self.colocated = cfg.placement.mode == "colocated"
+        self.mode = mode or mode_for(cfg.placement)
+        self.colocated = self.mode.shares_processes
         self.table = ChipTable.build(cfg.cluster)
         problem = unimplemented_parallelism(cfg.placement.chips_per_sampler, cfg.placement.chips_per_trainer,
                                             mode=cfg.placement.mode)
@@ -85,7 +77,7 @@ class Placement:
         self.roles = assign_roles(self.table, cfg.placement)  # raises before anything starts
         # trainer tensor parallelism: TorchTPU runs one process per chip, so each block of k chips
         # becomes k trainer processes, one TP group (ranks j*k .. j*k+k-1), dp = trainer chips / k
-        self.trainer_tp = 1 if self.colocated else cfg.placement.chips_per_trainer
+        self.trainer_tp = self.mode.trainer_tp()
         if self.trainer_tp > 1:
             from rltpu.models.tp_plan import tp_problem
 
@@ -154,7 +146,7 @@ class Placement:
         """
         from ray.util.placement_group import placement_group
 
-        classes = actor_classes(self.colocated)
+        classes = self.mode.actor_classes()
         planned = sorted(((chips[0].global_id, role, rank, chips) for role in classes
                           for rank, chips in enumerate(self.roles.get(role, []))), key=lambda x: x[0])
         bundles, selectors, slots, expected = [], [], [], {}
@@ -206,7 +198,7 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, chips = self.bundles[(role, rank)]
-        return self.ray.remote(actor_classes(self.colocated)[role]).options(
+        return self.ray.remote(self.mode.actor_classes()[role]).options(
             name=f"rltpu-{role.value}-{rank}-{os.getpid()}" + (f"-{incarnation}" if incarnation else ""),
             num_cpus=0, resources={"TPU": len(chips)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),

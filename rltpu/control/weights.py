@@ -1,9 +1,10 @@
-"""The driver's side of weight sync: build the fabric's generations, push a version, probe it.
+"""The driver's side of weight sync over the fabric: build its generations, push a version, probe it.
 
 Every trainer streams its shards and every sampler stages and publishes atomically
-(``rltpu.sync.collective``); colocated, each process hands its weights to its own sampler
-(``rltpu.sync.colocated``). On any failure every sampler keeps its previous version, recorded in
+(``rltpu.sync.collective``). On any failure every sampler keeps its previous version, recorded in
 ``sampler_versions``, and the supervisor re-joins survivors and replacements in a new generation.
+This is the disaggregated modes' weight handoff; a placement mode may bring its own
+(``rltpu.control.modes``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import time
 import numpy as np
 
 from rltpu.chips.topology import Role
-from rltpu.control.placement import ActorGroups
 from rltpu.sync.collective import WeightSyncError, adapter_spec
 
 
 class WeightSync:
-    def __init__(self, ray, groups: ActorGroups, roles: dict, spec, timeout_s: float, colocated: bool,
-                 deadlines=None):
-        """``deadlines``: ``health.deadlines``; rendezvous, join_sync and probe calls wait at most their entry."""
+    def __init__(self, ray, groups, roles: dict, spec, timeout_s: float, deadlines=None):
+        """``groups``: the placement's ``ActorGroups``; ``deadlines``: ``health.deadlines``; rendezvous,
+        join_sync and probe calls wait at most their entry."""
         self.ray, self.groups, self.roles, self.spec = ray, groups, roles, spec
-        self.timeout_s, self.colocated = timeout_s, colocated
+        self.timeout_s = timeout_s
         self.deadlines = deadlines
         self.store: tuple[str, int] | None = None  # trainer 0's TCPStore (host, port)
         self.positions: list[int] | None = None  # each trainer rank's mesh position, read at the first push
@@ -54,8 +54,6 @@ class WeightSync:
             self.store = self._get(g.trainers[0].rendezvous.remote(), "rendezvous", "trainer 0's sync store")
             self.generation = 0
             self.sampler_versions = [-1] * len(g.samplers)
-        if self.colocated:  # weights pass in-process: no sync fabric to build
-            return
         self.need_full = True
         self.positions = None  # a replaced trainer group may lay out its mesh differently
         self.generation += 1
@@ -68,8 +66,6 @@ class WeightSync:
     def push(self, version: int) -> dict:
         """Weights of ``version`` to every sampler; seconds, bytes and the route each byte took."""
         t0 = time.perf_counter()
-        if self.colocated:
-            return self._publish_local(version, t0)
         g = self.groups
         spec = self.spec if self.need_full or not self.adapters else self.adapters
         if self.positions is None:  # the trainer mesh's rank layout: TorchTPU's is not rank order
@@ -105,25 +101,10 @@ class WeightSync:
                 "device_put_bytes": sum(r.get("device_put_bytes", 0) for r in received),
                 "zero_copy_frac": sum(r["zero_copy"] for r in received) / max(sum(r["tensors"] for r in received), 1)}
 
-    def _publish_local(self, version: int, t0: float) -> dict:
-        """Colocated: each process hands its trainer's weights to its own sampler engine (with several
-        trainer ranks FSDP's all-gather assembles the full tensors first); no sync fabric."""
-        out = self.ray.get([t.publish_local.remote(version) for t in self.groups.trainers])
-        self.sampler_versions = [int(o["version"]) for o in out]
-        # bytes: what crossed between processes (FSDP's all-gather; 0 with one rank); copied: the
-        # in-process snapshot the sampler adopts
-        return {"seconds": time.perf_counter() - t0, "bytes": sum(o["gathered_bytes"] for o in out),
-                "copied_bytes": sum(o.get("copied_bytes", 0) for o in out),
-                "buckets": sum(o.get("buckets", 0) for o in out), "host_bytes": 0,
-                "ici_bytes": sum(o["link_bytes"]["ici"] for o in out),
-                "dcn_bytes": sum(o["link_bytes"]["dcn"] for o in out),
-                "zero_copy_frac": sum(o["zero_copy"] for o in out) / max(sum(o["tensors"] for o in out), 1)}
-
     def probe(self, batch: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
         """Max |logit diff| between trainer and every sampler on ``batch`` (catches sync bugs)."""
         g = self.groups
         t_logits = self._get([t.probe_logits.remote(*batch) for t in g.trainers], "probe", "the trainers' probe")[0]
-        s_logits = self._get([s.sampler_probe_logits.remote(*batch) if self.colocated else
-                              s.probe_logits.remote(*batch) for s in g.samplers], "probe", "the samplers' probe")
+        s_logits = self._get([s.probe_logits.remote(*batch) for s in g.samplers], "probe", "the samplers' probe")
         mask = batch[2].astype(bool)
         return float(max(np.abs(s[mask] - t_logits[mask]).max() for s in s_logits))
