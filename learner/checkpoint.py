@@ -219,9 +219,27 @@ def _agree(group, error: str | None) -> None:
         raise CheckpointError(error)
 
 
-def save_checkpoint(directory: Path, parts: dict[str, dict], meta: dict, keep: int = 1, group=None) -> Path:
+def _agree_all(group, error: str | None) -> None:
+    """Every rank learns whether any rank failed (the first error in rank order) and raises it."""
+    if group is not None:
+        box = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(box, error, group=group)
+        error = next((e for e in box if e), None)
+    if error:
+        raise CheckpointError(error)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
+
+
+def save_checkpoint(directory: Path, parts: dict[str, dict], meta: dict, keep: int = 1, group=None,
+                    also=None) -> Path:
     """Write ``parts`` (name -> state dict of tensors or DTensors, collective over ``group``) and
-    ``meta`` (JSON) as a checkpoint at ``directory``. ``keep``: checkpoints kept after this one lands."""
+    ``meta`` (JSON) as a checkpoint at ``directory``. ``keep``: checkpoints kept after this one lands.
+    ``also(tmp, rank, world)``: more files every rank writes into the checkpoint once the parts are on
+    disk (``checkpoint.hf_export``); the checkpoint lands only if it worked on every rank."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
@@ -238,6 +256,12 @@ def save_checkpoint(directory: Path, parts: dict[str, dict], meta: dict, keep: i
     for name, state in parts.items():
         with _quiet(group):
             dcp.save(state, storage_writer=SafetensorsWriter(tmp, name), process_group=group, no_dist=group is None)
+    if also is not None:
+        try:
+            also(tmp, rank, torch.distributed.get_world_size(group) if group is not None else 1)
+        except (OSError, ValueError) as err:
+            error = f"checkpoint: {_one_line(err)}; the previous checkpoint is kept"
+        _agree_all(group, error)
     if rank == 0:
         try:
             _commit(directory, tmp, list(parts), meta, keep, world=torch.distributed.get_world_size(group)
@@ -374,12 +398,20 @@ def save_engine(engine, directory: Path, meta: dict, keep: int = 1, group=None) 
         osd = get_optimizer_state_dict(module, optim)
         parts[_optim_part(name)] = {"state": osd["state"]}
         groups[name] = osd["param_groups"]
+    also = None
+    if meta.get("hf_export"):  # checkpoint.hf_export: each rank writes its share of <checkpoint>/hf
+        if _modules(engine)[0][0] == "adapters":
+            raise ValueError("checkpoint.hf_export with trainer.lora is not supported; use rltpu export --adapters")
+        from rltpu.models.hf.export import write_hf_share
+
+        also = lambda tmp, rank, world: write_hf_share(tmp, meta, rank, world)  # noqa: E731
+    meta = {k: v for k, v in meta.items() if k != "hf_export"}
     meta = dict(meta, trainer_step=engine.step, scheduler=engine.scheduler.state_dict(),
                 critic_scheduler=engine.critic_scheduler.state_dict() if engine.critic is not None else None,
                 rng={"torch_cpu": torch.get_rng_state().numpy().tobytes().hex()},
                 optimizer_param_groups=groups.pop(_modules(engine)[0][0]), extra_param_groups=groups,
                 lora=_lora_meta(engine))
-    return save_checkpoint(directory, parts, meta, keep, _group_of(engine, group))
+    return save_checkpoint(directory, parts, meta, keep, _group_of(engine, group), also)
 
 
 def _lora_meta(engine) -> dict | None:

@@ -27,10 +27,11 @@ from pathlib import Path
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from rltpu.config import ConfigError, load_config  # noqa: E402
+from rltpu.observe.log import log, set_verbosity  # noqa: E402
 
 
 def _fail(msg: str) -> int:
-    print(f"rltpu: error: {msg}", file=sys.stderr)
+    log.error(f"rltpu: error: {msg}")
     return 2
 
 
@@ -111,14 +112,14 @@ def _cmd_train(args) -> int:
             raise
         INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
-        print("rltpu: stopped by SIGTERM during start-up", file=sys.stderr, flush=True)
+        log.warning("rltpu: stopped by SIGTERM during start-up")
         return 143
     except KeyboardInterrupt:  # before the controller existed
         INTERRUPTS.acknowledge()
         INTERRUPTS.ignore()
         # nothing was written yet, so the same command (with or without --resume) starts where it would have
-        print(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran; nothing was written, "
-              f"run the same command again", file=sys.stderr, flush=True)
+        log.warning(f"rltpu: stopped by {INTERRUPTS.name()} during start-up, before anything ran; nothing was written, "
+                    f"run the same command again")
         return INTERRUPTS.exit_code()
     finally:
         if INTERRUPTS.received or INTERRUPTS.late:  # already answered with its line: a second one is ignored
@@ -143,8 +144,8 @@ def resume_from(run_dir: Path) -> bool:
     if effective(read_ledger(run_dir / "ledger.jsonl")):
         raise ConfigError(f"--resume: no checkpoint in {ckpt} but the ledger has trained steps (restore the "
                           f"checkpoint, or start over with --new-run instead of --resume)")
-    print(f"rltpu: --resume: nothing trained in {run_dir} yet (no checkpoint, no ledger step); starting from "
-          f"step 0", file=sys.stderr, flush=True)
+    log.warning(f"rltpu: --resume: nothing trained in {run_dir} yet (no checkpoint, no ledger step); starting from "
+                f"step 0")
     return False
 
 
@@ -160,16 +161,25 @@ def _train(args, interrupts) -> int:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
         from rltpu.control import rundir
 
-        rundir.check_fresh(cfg.resolved_run_dir, args.resume, args.new_run)  # one run per directory
-        resume = resume_from(cfg.resolved_run_dir) if args.resume else False
+        rundir.check_fresh(cfg.resolved_run_dir, bool(args.resume), args.new_run)  # one run per directory
+        if isinstance(args.resume, str):  # --resume PATH: that checkpoint (verified here, before Ray starts)
+            from rltpu.control.checkpoints import named_checkpoint
+
+            resume = named_checkpoint(args.resume, cfg.resolved_run_dir)
+        else:
+            resume = resume_from(cfg.resolved_run_dir) if args.resume else False
         preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 
         controller = Controller(cfg, address=args.address, resume=resume)
         # everything is checked: take the directory (a lock held until this process ends)
-        moved = rundir.claim(cfg.resolved_run_dir, args.resume, args.new_run)
+        moved = rundir.claim(cfg.resolved_run_dir, bool(args.resume), args.new_run)
         if moved is not None:
-            print(f"rltpu: --new-run: the previous run's files are in {moved}", file=sys.stderr, flush=True)
+            log.info(f"rltpu: --new-run: the previous run's files are in {moved}")
+        if isinstance(resume, Path):  # resumed from an older checkpoint of this run: the newer ones move aside
+            from rltpu.control.checkpoints import set_aside_newer
+
+            set_aside_newer(resume, cfg.resolved_run_dir)
         interrupts.check()  # a signal swallowed during the imports above
     except (ConfigError, ValueError, ChipUnavailableError, OSError) as err:
         return _fail(str(err) if not isinstance(err, OSError) else _one_line(err))
@@ -184,14 +194,14 @@ def _train(args, interrupts) -> int:
         interrupts.acknowledge()
         interrupts.ignore()  # the checkpoint is being written: a second signal must not cut it short
         line = controller.stop_on_interrupt()
-        print(f"rltpu: stopped by {interrupts.name()} {line}", file=sys.stderr, flush=True)
+        log.warning(f"rltpu: stopped by {interrupts.name()} {line}")
         return interrupts.exit_code()
     except (ConfigError, PlacementError, ChipConflictError) as err:
         return _fail(str(err))
     except ChipUnavailableError as err:  # raised in an actor's claim: Ray wraps it; report the cause's line
         return _fail(str(getattr(err, "cause", None) or err).splitlines()[0])
     except HealthError as err:
-        print(f"rltpu: error: job stopped by its health policy: {err}", file=sys.stderr)
+        log.error(f"rltpu: error: job stopped by its health policy: {err}")
         return 3
     except Exception as err:  # noqa: BLE001 - Ray task errors, OS errors, timeouts: one line, not a traceback
         import ray.exceptions
@@ -202,8 +212,8 @@ def _train(args, interrupts) -> int:
         cause = getattr(err, "cause", None)
         if isinstance(cause, ConfigError):  # a user error raised inside an actor
             return _fail(str(cause).splitlines()[0])
-        print(f"rltpu: error: {_one_line(err)} (run dir {controller.run_dir}; RLTPU_TRACEBACK=1 for the "
-              f"traceback)", file=sys.stderr, flush=True)
+        log.error(f"rltpu: error: {_one_line(err)} (run dir {controller.run_dir}; RLTPU_TRACEBACK=1 for the "
+                  f"traceback)")
         return 1
     finally:
         interrupts.hold()  # shutting down: a signal must not cut it short; a finished run reports it below
@@ -215,9 +225,8 @@ def _train(args, interrupts) -> int:
         print(f"rltpu: done: {controller.steps_run} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
               f"run dir {controller.run_dir}", flush=True)
     if interrupts.late:  # the run had finished when it came: nothing to resume, but the signal is answered
-        print(f"rltpu: stopped by {interrupts.late_name()} while shutting down after the last step; the run had "
-              f"finished (final checkpoint in {controller.run_dir / 'checkpoint'}; nothing to resume)",
-              file=sys.stderr, flush=True)
+        log.warning(f"rltpu: stopped by {interrupts.late_name()} while shutting down after the last step; the run had "
+                    f"finished (final checkpoint in {controller.run_dir / 'checkpoint'}; nothing to resume)")
         return interrupts.late_exit_code()
     return 0
 
@@ -289,9 +298,9 @@ def cmd_plan(args) -> int:
     else:
         print(plan_report.markdown(plan, args.top), end="")
     if args.write_config:
-        print(f"rltpu: wrote {args.write_config} ({plan.best_runnable.name})", file=sys.stderr)
+        log.info(f"rltpu: wrote {args.write_config} ({plan.best_runnable.name})")
     if args.out:
-        print(f"rltpu: wrote {args.out}/plan.md, plan.html, plan.json, ranks.csv", file=sys.stderr)
+        log.info(f"rltpu: wrote {args.out}/plan.md, plan.html, plan.json, ranks.csv")
     return 0
 
 
@@ -351,7 +360,7 @@ def cmd_dashboard(args) -> int:
     except OSError as err:
         return _fail(f"cannot serve on {args.host}:{args.port} ({err.strerror}); pick another --port")
     host, port = server.server_address[:2]
-    print(f"rltpu: dashboard for {args.run_dir} at http://{host}:{port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
+    log.info(f"rltpu: dashboard for {args.run_dir} at http://{host}:{port}/ (Ctrl-C stops)")
     try:
         server.thread.join()
     except KeyboardInterrupt:
@@ -368,14 +377,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="rltpu", description="RL post-training on TPU chips (or emulated chips on CPU).")
+    # -q / -v before or after the command (every subcommand takes them): the level of rltpu's stderr lines
+    def verbosity(default_q, default_v) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("-q", "--quiet", action="store_true", default=default_q,
+                       help="warnings and errors only (train: no progress display)")
+        p.add_argument("-v", "--verbose", action="count", default=default_v, help="debug lines too")
+        return p
+
+    parser = _Parser(prog="rltpu", description="RL post-training on TPU chips (or emulated chips on CPU).",
+                     parents=[verbosity(False, 0)])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub_add, after = sub.add_parser, verbosity(argparse.SUPPRESS, argparse.SUPPRESS)  # keeps `rltpu -q train`'s
+    sub.add_parser = lambda *a, **k: sub_add(*a, parents=[after], **k)  # noqa: E731
     p = sub.add_parser("train", help="run a GRPO job from a YAML config")
     p.add_argument("config", help="YAML config (e.g. configs/quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-6")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting an embedded one")
     p.add_argument("--run-dir", default=None, help="override run_dir")
-    p.add_argument("--resume", action="store_true", help="continue from <run_dir>/checkpoint")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                   help="continue from the newest valid <run_dir>/checkpoint, or from the checkpoint directory PATH "
+                        "(an older one of this run, e.g. <run_dir>/checkpoint.prev, or another run's in a new run_dir)")
     p.add_argument("--new-run", action="store_true",
                    help="start over in a run_dir that holds a run (its files move to <run_dir>/previous-<time>/)")
     p.set_defaults(func=cmd_train)
@@ -422,11 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     q.set_defaults(func=cmd_doctor)
     # overrides may come before or after flags (argparse alone stops collecting them at a flag)
     args, extra = parser.parse_known_args(argv)
+    if isinstance(getattr(args, "resume", None), str) and "=" in args.resume and not Path(args.resume).is_dir():
+        extra, args.resume = [args.resume, *extra], True  # `--resume trainer.steps=9`: an override, not a PATH
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*getattr(args, "overrides", []), *extra]
+    set_verbosity(args.quiet, args.verbose)
+    if args.quiet and args.command == "train":
+        args.overrides = [*args.overrides, "progress=false"]
     return args.func(args)
 
 

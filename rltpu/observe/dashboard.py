@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from rltpu.observe.health import assess
+from rltpu.observe.log import log
 
 OWNER_COLOURS = {"sampler": "#4e79a7", "trainer": "#f28e2b", "reward": "#59a14f", None: "#d0d0d0"}
 STATE_COLOURS = {"ok": "#2ca02c", "restarted": "#e6b800", "starting": "#999999", "fenced": "#d62728"}
@@ -258,15 +259,14 @@ def serve(run_dir, host: str = "127.0.0.1", port: int = 8266) -> ThreadingHTTPSe
     """Start serving ``run_dir`` in a daemon thread; ``.shutdown()`` stops it, ``.thread`` is it.
     Callers pass a non-loopback ``host`` only on an explicit flag (``--allow-remote``,
     ``dashboard.allow_remote``); serving one prints a warning."""
-    import sys
-
+    
     from rltpu.config import is_loopback
 
     handler = type("Handler", (_Handler,), {"run_dir": Path(run_dir), "hosts": allowed_hosts(host)})
     server = ThreadingHTTPServer((host, port), handler)
     if not is_loopback(host):
-        print(f"rltpu: warning: the dashboard listens on {host}:{server.server_address[1]}, reachable from other "
-              f"hosts; it has no authentication", file=sys.stderr, flush=True)
+        log.warning(f"rltpu: warning: the dashboard listens on {host}:{server.server_address[1]}, reachable from "
+                    f"other hosts; it has no authentication")
     server.daemon_threads = True
     server.thread = threading.Thread(target=server.serve_forever, name="rltpu-dashboard", daemon=True)
     server.thread.start()

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
+
+from rltpu.observe.log import log
 
 PHASES = ("compiling", "idle", "sampling", "training", "syncing", "checkpointing", "scoring", "loading",
           "identity", "claim", "rendezvous", "join_sync", "probe")
@@ -121,7 +122,7 @@ class Heartbeat:
                 try:
                     monitor.beat.remote(self.report())
                 except Exception as err:  # noqa: BLE001 - the monitor is gone (shutdown): keep quiet
-                    print(f"rltpu: heartbeat of {self.group} {self.rank} failed: {err}", file=sys.stderr)
+                    log.warning(f"rltpu: heartbeat of {self.group} {self.rank} failed: {err}")
                 self._stop.wait(interval_s)
 
         self._thread = threading.Thread(target=loop, name="rltpu-heartbeat", daemon=True)
@@ -227,7 +228,7 @@ class Watchdog(threading.Thread):
             try:
                 self.poll()
             except Exception as err:  # noqa: BLE001 - keep watching; the step loop reports real failures
-                print(f"rltpu: watchdog: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr, flush=True)
+                log.warning(f"rltpu: watchdog: {type(err).__name__}: {str(err)[:200]}")
 
     def stop(self) -> None:
         self._stop.set()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
+
+from rltpu.observe.log import log
 
 
 def read_jsonl(path: Path, what: str | None = None) -> list[dict]:
@@ -29,8 +30,8 @@ def read_jsonl(path: Path, what: str | None = None) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:
             if i >= len(lines) - 2 and all(not x.strip() for x in lines[i + 1:]):
-                print(f"rltpu: {what or path.name}: dropped a torn last line ({len(line)} bytes, a crash mid-append): "
-                      f"{line[:60].decode('utf-8', 'replace')!r}", file=sys.stderr, flush=True)
+                log.warning(f"rltpu: {what or path.name}: dropped a torn last line ({len(line)} bytes, a crash "
+                            f"mid-append): {line[:60].decode('utf-8', 'replace')!r}")
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON (corrupt file, not a torn tail)") from None
     return out
@@ -62,8 +63,7 @@ def repair_tail(path: Path) -> int:
             keep = start
     if keep == len(raw):
         return 0
-    print(f"rltpu: {path.name}: dropped a torn last line ({len(raw) - keep} bytes, a crash mid-append)",
-          file=sys.stderr, flush=True)
+    log.warning(f"rltpu: {path.name}: dropped a torn last line ({len(raw) - keep} bytes, a crash mid-append)")
     with open(path, "r+b") as f:
         f.truncate(keep)
         f.flush()

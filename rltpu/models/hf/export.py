@@ -24,6 +24,7 @@ with ``adapters=True`` (``rltpu export --adapters``), PEFT's ``adapter_config.js
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -111,6 +112,15 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
     if adapters:
         raise CheckpointError(f"{ckpt} is a full-parameter checkpoint (no adapters.index.json): export it without "
                               f"--adapters")
+    weights, vocab, spec = _full_spec(ckpt, cfg)
+    hf = _write_model_dir(Path(out_dir), cfg, vocab, run_cfg, source_path, spec, weights.read, shard_mb)
+    return {"out_dir": str(out_dir), "architecture": hf["architectures"][0], "tensors": len(spec),
+            "step": meta.get("step"), "files": sorted(f.name for f in Path(out_dir).iterdir())}
+
+
+def _full_spec(ckpt: Path, cfg):
+    """The policy's weights in a full-parameter checkpoint, checked against the run's model config:
+    ``(reader, vocab, [(HF name, shape, dtype)])`` in the model's parameter order."""
     weights = ShardedPart(ckpt, "model") if (ckpt / "model.index.json").is_file() else \
         SafetensorsFile(ckpt / "model.safetensors")
     if "model.embed_tokens.weight" not in weights.entries:
@@ -125,10 +135,53 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
         if tuple(weights.shape(name)) != tuple(shape):
             raise CheckpointError(f"{weights.path}: tensor {name} has shape {list(weights.shape(name))} but the "
                                   f"run's model config implies {list(shape)}")
-    spec = [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
-    hf = _write_model_dir(Path(out_dir), cfg, vocab, run_cfg, source_path, spec, weights.read, shard_mb)
-    return {"out_dir": str(out_dir), "architecture": hf["architectures"][0], "tensors": len(spec),
-            "step": meta.get("step"), "files": sorted(f.name for f in Path(out_dir).iterdir())}
+    return weights, vocab, [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
+
+
+HF_DIR = "hf"  # checkpoint.hf_export: <checkpoint>/hf, moved with its checkpoint when checkpoints rotate
+
+
+def hf_shares(spec: list, world: int) -> list[list]:
+    """``spec`` cut into at most ``world`` contiguous runs of about equal bytes (empty ones dropped):
+    run i is file ``model-<i+1>-of-<n>``; rank r writes run r."""
+    from rltpu.models.hf.weights import _ST_DTYPES, _ST_OF
+
+    sizes = [math.prod(s[1]) * _ST_DTYPES[_ST_OF[s[2]]][1] for s in spec]
+    total, shares, acc = sum(sizes), [[] for _ in range(world)], 0
+    for s, n in zip(spec, sizes):
+        shares[min(world - 1, acc * world // max(total, 1))].append(s)  # by the bytes before this tensor
+        acc += n
+    return [sh for sh in shares if sh]
+
+
+def write_hf_share(ckpt: Path, meta: dict, rank: int, world: int) -> None:
+    """``checkpoint.hf_export``, run by every trainer rank after the checkpoint's parts are written:
+    rank r writes its run of whole tensors (``hf_shares``), each assembled from the ranks' chunks on
+    disk one at a time (never the model in one process); rank 0 adds config.json, the tokenizer and
+    the index. The directory is complete when the checkpoint is renamed into place."""
+    run_cfg = meta.get("config")
+    if not isinstance(run_cfg, dict) or not isinstance(run_cfg.get("model"), dict):
+        raise CheckpointError("checkpoint.hf_export: the checkpoint's metadata has no run config")
+    model_dict = dict(run_cfg["model"])
+    source_path = model_dict.pop("path", None)
+    cfg = ModelConfig.model_validate(model_dict)
+    weights, vocab, spec = _full_spec(Path(ckpt), cfg)
+    out = Path(ckpt) / HF_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    shares = hf_shares(spec, world)
+    names = ["model.safetensors"] if len(shares) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shares):05d}.safetensors" for i in range(len(shares))]
+    if rank < len(shares):
+        write_safetensors(out / names[rank], shares[rank], weights.read, metadata={"format": "pt"})
+    if rank == 0:
+        _write_model_dir(out, cfg, vocab, run_cfg, source_path, [], None, 0)
+        if len(shares) > 1:
+            from rltpu.models.hf.weights import _ST_DTYPES, _ST_OF
+
+            total = sum(math.prod(s[1]) * _ST_DTYPES[_ST_OF[s[2]]][1] for s in spec)
+            (out / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total},
+                 "weight_map": {n: names[i] for i, share in enumerate(shares) for n, _, _ in share}}, indent=1))
 
 
 def _write_model_dir(out: Path, cfg, vocab: int, run_cfg: dict, source_path, spec, read, shard_mb: float) -> dict:
@@ -143,7 +196,8 @@ def _write_model_dir(out: Path, cfg, vocab: int, run_cfg: dict, source_path, spe
         ids = write_char_tokenizer(out, DEFAULT_ALPHABET)
     hf = to_hf_config(cfg, vocab, ids.get("bos"), ids.get("eos"), ids.get("pad"))
     (out / "config.json").write_text(json.dumps(hf, indent=1))
-    _write_weights(out, spec, read, int(shard_mb * 2**20))
+    if spec:  # write_hf_share writes the weights rank by rank itself
+        _write_weights(out, spec, read, int(shard_mb * 2**20))
     return hf
 
 
