@@ -84,12 +84,12 @@ def _log(line: str) -> None:
 def resolve_ids(data: dict, weights: bool = True, log: Callable[[str], None] = _log) -> dict:
     """Replace the Hub ids of a raw config (dict, before validation) by local snapshot directories.
 
-    ``weights=False`` (``rltpu plan``, ``doctor``) fetches a model's config and tokenizer files, not its
-    weights. Returns ``data`` (changed in place)."""
+    ``weights=False`` (``rltpu plan``, ``doctor``: nothing is trained) fetches a model's config and
+    tokenizer files, not its weights, and leaves dataset ids as they are. Returns ``data`` (changed in place)."""
     model_files = MODEL_FILES if weights else PLAN_FILES
     places = [("model", "path", "model", model_files), ("reward_model", "path", "model", model_files),
               ("task", "tokenizer", "model", PLAN_FILES),
-              ("task", "dataset", "dataset", None), ("eval", "dataset", "dataset", None)]
+              *([("task", "dataset", "dataset", None), ("eval", "dataset", "dataset", None)] if weights else [])]
     for section, field, repo_type, patterns in places:
         node = data.get(section)
         if not isinstance(node, dict) or not is_hub_id(node.get(field)):
