@@ -85,7 +85,8 @@ def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str
     auth = ray_auth(run_dir or tempfile.mkdtemp(prefix="rltpu-auth-"), joining=bool(address))
     if cluster_cfg.bind_host and not _loopback(cluster_cfg.bind_host) and not address:
         print(f"rltpu: warning: the embedded Ray cluster binds {cluster_cfg.bind_host} (cluster.allow_remote): "
-              f"reachable from other hosts{'; token auth is ' + auth if auth != 'token' else ', token-protected'}",
+              f"reachable from other hosts; Ray's token auth is {'on' if auth == 'token' else auth}, the "
+              f"weight-sync fabric (TCPStore, gloo) has none",
               file=sys.stderr, flush=True)
     import ray
 
