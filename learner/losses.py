@@ -7,18 +7,24 @@ loss aggregation ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``
 
 Advantages are per token, ``(R, T)`` over completion tokens: outcome estimators broadcast one value
 per sequence; REINFORCE++ and GAE vary along the sequence.
+
+Advantage estimators are registered by name (``register_estimator``; ``trainer.algorithm`` names
+one). Each declares what it needs before it can run, so the driver asks for exactly that and no
+code elsewhere branches on an algorithm's name: the critic's values (``critic``: it then also
+returns the critic's targets), the reference model's logprobs, the trainer's own logprobs of the
+rollout (``old_logprobs``, recomputed instead of the sampler's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from rltpu.models.torch_llama import head_logits
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -122,35 +128,103 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv, (adv + v) * m
 
 
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read: sequence rewards ``(R,)``, the loss mask ``(R, T)``, rows per
+    prompt, and the options and extra passes its ``Estimator`` asked for."""
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_size: int
+    scale: bool = True  # trainer.scale_rewards
+    kl: torch.Tensor | None = None  # (R, T) per-token KL put in the reward (trainer.kl_in_reward)
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    values: torch.Tensor | None = None  # (R, T) the critic's values (Estimator.critic)
+    lam: float = 1.0  # GAE's lambda (critic.gae_lambda)
+    reference_logprobs: torch.Tensor | None = None  # (R, T) (Estimator.reference)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """``fn(AdvantageInputs) -> advantages (R, T)``; with ``critic`` it returns ``(advantages, returns)``."""
+
+    name: str
+    fn: Callable
+    critic: bool = False  # needs the critic's values; the batch then carries returns and old values
+    reference: bool = False  # needs the reference model's logprobs of the rollout
+    old_logprobs: bool = False  # needs the trainer's own logprobs of the rollout (not the sampler's)
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str, *, critic: bool = False, reference: bool = False, old_logprobs: bool = False):
+    """Decorator: ``fn`` becomes the advantage estimator ``trainer.algorithm: <name>``."""
+    def add(fn: Callable) -> Callable:
+        ESTIMATORS[name] = Estimator(name, fn, critic, reference, old_logprobs)
+        return fn
+    return add
+
+
+def get_estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; allowed: {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+def _kl_in_sequence_reward(x: AdvantageInputs) -> torch.Tensor:
+    m, r = x.mask.float(), x.rewards.float()
+    return r - x.kl_coef * (x.kl.float() * m).sum(1) if x.kl is not None else r
+
+
+@register_estimator("grpo")
+def _grpo(x: AdvantageInputs) -> torch.Tensor:
+    return grpo_advantages(_kl_in_sequence_reward(x), x.group_size, scale=x.scale)[:, None] * x.mask.float()
+
+
+@register_estimator("drgrpo")
+def _drgrpo(x: AdvantageInputs) -> torch.Tensor:
+    return grpo_advantages(_kl_in_sequence_reward(x), x.group_size, scale=False)[:, None] * x.mask.float()
+
+
+@register_estimator("rloo")
+def _rloo(x: AdvantageInputs) -> torch.Tensor:
+    return rloo_advantages(_kl_in_sequence_reward(x), x.group_size)[:, None] * x.mask.float()
+
+
+def _reinforce_pp(x: AdvantageInputs, baseline: bool) -> torch.Tensor:
+    m, r = x.mask.float(), x.rewards.float()
+    if baseline:
+        g = _groups(r, x.group_size)
+        r = (g - g.mean(dim=1, keepdim=True)).view(-1)
+    tr = outcome_token_rewards(r, m)
+    if x.kl is not None:
+        tr = tr - x.kl_coef * x.kl.float() * m
+    return whiten(discounted_returns(tr, m, x.gamma), m)
+
+
+register_estimator("reinforce_pp")(lambda x: _reinforce_pp(x, baseline=False))
+register_estimator("reinforce_pp_baseline")(lambda x: _reinforce_pp(x, baseline=True))
+
+
+@register_estimator("ppo", critic=True)
+def _ppo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return ppo_advantages(x.rewards.float(), x.values, x.mask, x.gamma, x.lam, x.kl, x.kl_coef)
+
+
 def token_advantages(estimator: str, rewards: torch.Tensor, mask: torch.Tensor, group_size: int,
                      scale: bool = True, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
                      gamma: float = 1.0) -> torch.Tensor:
-    """Per-token advantages ``(R, T)`` for ``estimator`` from sequence rewards ``(R,)``.
+    """Per-token advantages ``(R, T)`` of a critic-free ``estimator`` from sequence rewards ``(R,)``.
 
     ``kl`` (R, T), when given, is a per-token KL estimate put *in the reward* (``- kl_coef * kl``):
     summed into the sequence reward for the outcome estimators, kept per token for REINFORCE++.
     """
-    m = mask.float()
-    r = rewards.float()
-    if estimator in ("grpo", "drgrpo", "rloo"):
-        if kl is not None:
-            r = r - kl_coef * (kl.float() * m).sum(1)
-        if estimator == "rloo":
-            adv = rloo_advantages(r, group_size)
-        else:
-            adv = grpo_advantages(r, group_size, scale=scale and estimator == "grpo")
-        return adv[:, None] * m
-    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        if estimator == "reinforce_pp_baseline":
-            g = _groups(r, group_size)
-            r = (g - g.mean(dim=1, keepdim=True)).view(-1)
-        tr = outcome_token_rewards(r, m)
-        if kl is not None:
-            tr = tr - kl_coef * kl.float() * m
-        return whiten(discounted_returns(tr, m, gamma), m)
-    if estimator == "ppo":
-        raise ValueError("ppo advantages need the critic's values: use ppo_advantages")
-    raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+    est = get_estimator(estimator)
+    if est.critic:
+        raise ValueError(f"{estimator} advantages need the critic's values: use get_estimator({estimator!r}).fn")
+    return est.fn(AdvantageInputs(rewards, mask, group_size, scale, kl, kl_coef, gamma))
 
 
 def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
