@@ -154,7 +154,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_sample_probe
+from rltpu.plan.microbench import SAMPLE_PROBE_WIDTHS, bench_jax_continuous_probe, bench_jax_sample_probe
 res = {str(w): bench_jax_sample_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS}
 res.update({f"continuous:{w}": bench_jax_continuous_probe(w, dist) for w in SAMPLE_PROBE_WIDTHS})
 share = torch.tensor([min(r.pop("cpu_share") for r in res.values())], dtype=torch.float64)
