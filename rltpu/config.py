@@ -566,8 +566,10 @@ class TrainerConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus per token (exploration from random init)
     ppo_epochs: int = Field(1, ge=1)  # optimizer steps on each batch
     scale_rewards: bool = True  # divide advantages by the group std (GRPO); False = Dr.GRPO style
-    # the algorithm (learner/losses.py): advantage estimator, loss aggregation, clipping, KL
-    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = "grpo"
+    # the algorithm (learner/losses.py): advantage estimator, loss aggregation, clipping, KL.
+    # algorithm: a name registered in learner.losses.ESTIMATORS (grpo, drgrpo, rloo, reinforce_pp,
+    # reinforce_pp_baseline, ppo, or your own); an unknown one fails before Ray starts (check_algorithm)
+    algorithm: str = Field("grpo", min_length=1)
     # None: "seq-mean-token-sum-norm" for drgrpo, "token-mean" otherwise
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] | None = None

@@ -175,3 +175,31 @@ def test_a_new_placement_mode_is_one_class_here(tmp_path):
     assert [r["sampler_weight_versions"] for r in records] == [[0, 0], [2, 2], [2, 2]]
     assert [r["sampler_versions"] for r in records] == [[0], [0], [2]]  # the rows each step trained on
     assert sorted(actors.fabric) == [0, 2]
+
+
+def test_a_registered_estimator_is_valid_config_and_gets_what_it_declares(tmp_path, monkeypatch):
+    """An estimator registered here (advantage = its own row's reward minus the reference logprob
+    sum, needing the reference and the trainer's own old logprobs) trains on the fakes."""
+    import torch
+
+    from learner.losses import ESTIMATORS, register_estimator
+    from rltpu.config import ConfigError
+
+    monkeypatch.setattr("learner.losses.ESTIMATORS", dict(ESTIMATORS))  # the registration ends with the test
+    seen = []
+
+    @register_estimator("reward-minus-ref", reference=True, old_logprobs=True)
+    def _mine(x):
+        seen.append(x)
+        return (x.rewards[:, None] - x.reference_logprobs.sum(1, keepdim=True)) * x.mask.float()
+
+    with pytest.raises(ConfigError, match="trainer.algorithm: unknown advantage estimator 'nope'.*reward-minus-ref"):
+        Controller(make_cfg(tmp_path, trainer__algorithm="nope"))
+    ctl, actors, records = run(make_cfg(tmp_path, trainer__steps=1, trainer__algorithm="reward-minus-ref"))
+    assert [r["step"] for r in records] == [1] and len(seen) == 1
+    batch = {k: np.concatenate([b[k] for _, b in actors.batches]) for k in ("advantages", "loss_mask", "old_logprobs")}
+    m = batch["loss_mask"]
+    x = seen[0]  # FakeTrainer.logprobs: -1 on every position of the (R, P+T) layout
+    np.testing.assert_allclose(x.reference_logprobs.sum(1).numpy(), -np.full(len(m), m.shape[1]))
+    np.testing.assert_allclose(batch["advantages"], (x.rewards.numpy() + m.shape[1])[:, None] * m)
+    assert (batch["old_logprobs"] == -m).all()  # the trainer's own, not the sampler's (-log of the vocabulary)

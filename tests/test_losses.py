@@ -235,8 +235,10 @@ def test_algorithm_config_errors(tmp_path):
         load_config(cfg, ["trainer.kl_in_reward=true"])
     with pytest.raises(ConfigError, match="kl_estimator"):
         load_config(cfg, ["trainer.kl_estimator=k7"])
-    with pytest.raises(ConfigError, match="algorithm"):
-        load_config(cfg, ["trainer.algorithm=ppo2"])
+    from rltpu.control.controller import check_algorithm  # the registry's names, before Ray starts
+
+    with pytest.raises(ConfigError, match="trainer.algorithm: unknown advantage estimator 'ppo2'; allowed: grpo"):
+        check_algorithm(load_config(cfg, ["trainer.algorithm=ppo2"]))
     assert load_config(cfg, ["trainer.algorithm=drgrpo"]).trainer.resolved_loss_agg_mode == "seq-mean-token-sum-norm"
     assert load_config(cfg, ["trainer.algorithm=rloo"]).trainer.resolved_loss_agg_mode == "token-mean"
 

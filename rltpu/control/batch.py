@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from learner.losses import ppo_advantages, token_advantages, turn_advantages
+from learner.losses import AdvantageInputs, get_estimator, turn_advantages
 
 
 EPISODE_KEYS = ("policy_mask", "token_versions", "turns", "truncated", "token_turns", "turn_returns")
@@ -66,20 +66,28 @@ def train_layout(gen: dict) -> dict:
 def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rewards: bool = True,
                       estimator: str = "grpo", kl: np.ndarray | None = None, kl_coef: float = 0.0,
                       gamma: float = 1.0, values: np.ndarray | None = None, lam: float = 1.0,
-                      turn_credit: bool = False) -> dict:
-    """``train_layout`` plus per-token ``advantages`` (R, P+T), zero on prompt and padding.
+                      turn_credit: bool = False, reference_logprobs: np.ndarray | None = None,
+                      old_logprobs: np.ndarray | None = None) -> dict:
+    """``train_layout`` plus per-token ``advantages`` (R, P+T), zero on prompt and padding, from the
+    registered ``estimator`` (``learner.losses.ESTIMATORS``).
 
     ``kl`` (R, P+T), aligned like ``old_logprobs``, is a per-token KL estimate to put in the
-    reward (``trainer.kl_in_reward``); see ``learner.losses.token_advantages``. PPO needs the
-    critic's ``values`` (same alignment) and adds ``returns`` and ``old_values`` for its update.
+    reward (``trainer.kl_in_reward``). An estimator that needs a critic gets its ``values`` (same
+    alignment) and the batch gains ``returns`` and ``old_values`` for the critic's update; one
+    that needs the trainer's own logprobs of the rollout gets ``old_logprobs`` in place of the
+    sampler's; one that needs the reference's gets ``reference_logprobs``.
     """
+    est = get_estimator(estimator)
     batch = train_layout(gen)
+    if old_logprobs is not None:
+        batch["old_logprobs"] = np.asarray(old_logprobs, np.float32) * batch["loss_mask"]
     m = torch.from_numpy(batch["loss_mask"])
-    kl_t = torch.from_numpy(np.asarray(kl, np.float32)) if kl is not None else None
-    if estimator == "ppo":
-        v = torch.from_numpy(np.asarray(values, np.float32))
-        adv, ret = ppo_advantages(torch.from_numpy(np.asarray(rewards, np.float32)), v, m, gamma, lam, kl_t, kl_coef)
-        return batch | {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": (v * m).numpy(),
+    as_t = lambda a: torch.from_numpy(np.asarray(a, np.float32)) if a is not None else None  # noqa: E731
+    inputs = AdvantageInputs(as_t(rewards), m, group_size, scale_rewards, as_t(kl), kl_coef, gamma, as_t(values), lam,
+                             as_t(reference_logprobs))
+    if est.critic:
+        adv, ret = est.fn(inputs)
+        return batch | {"advantages": adv.numpy(), "returns": ret.numpy(), "old_values": (inputs.values * m).numpy(),
                         "max_new_tokens": int(gen["tokens"].shape[1])}
     if turn_credit:  # multi-turn (env.credit: turn): each turn's tokens on its own return-to-go
         if "turn_returns" not in gen:
@@ -89,8 +97,7 @@ def build_train_batch(gen: dict, rewards: np.ndarray, group_size: int, scale_rew
         adv = turn_advantages(torch.from_numpy(gen["turn_returns"]), torch.from_numpy(np.asarray(gen["turns"])),
                               torch.from_numpy(tt), m, group_size, scale=scale_rewards and estimator == "grpo")
     else:
-        adv = token_advantages(estimator, torch.from_numpy(np.asarray(rewards, np.float32)), m, group_size,
-                               scale=scale_rewards, kl=kl_t, kl_coef=kl_coef, gamma=gamma)
+        adv = est.fn(inputs)
     return batch | {"advantages": adv.numpy().astype(np.float32), "max_new_tokens": int(gen["tokens"].shape[1])}
 
 

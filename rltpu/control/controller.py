@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from learner.losses import kl_estimate
+from learner.losses import get_estimator, kl_estimate
 from learner.reward_model import combine_rewards
 from rltpu.chips.topology import Role
 from rltpu.config import ConfigError, RunConfig, save_config
@@ -127,6 +127,18 @@ def fabric_warning(host: str, port: int) -> str | None:
             f"tensors (Ray's token does not cover it); run only on a trusted network or firewall these ports")
 
 
+def check_algorithm(cfg: RunConfig) -> None:
+    """``trainer.algorithm`` against the estimator registry (``learner.losses.ESTIMATORS``): one
+    line naming the registered ones, and a critic section exactly when the estimator needs one."""
+    try:
+        est = get_estimator(cfg.trainer.algorithm)
+    except ValueError as err:
+        raise ConfigError(f"trainer.algorithm: {err}") from None
+    if est.critic and cfg.critic is None:
+        raise ConfigError(f"trainer.algorithm={est.name} needs a value model: add a 'critic:' section "
+                          f"(e.g. critic: {{lr: 1e-3}}) or pick a critic-free algorithm")
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, address: str | None = None, resume: bool = False,
                  placement: Callable[[RunConfig, PlacementMode], Placement] = Placement,
@@ -147,6 +159,7 @@ class Controller:
         if bad:  # an id past the vocabulary never stops a row (or indexes past the logits)
             raise ConfigError(f"sampler.stop_token_ids has {bad[0]}, but the vocabulary has {self.vocab} ids "
                               f"(0..{self.vocab - 1}); remove it or use the tokenizer's id")
+        check_algorithm(cfg)  # trainer.algorithm names a registered estimator whose needs the config meets
         # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
         load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
         self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray
@@ -443,22 +456,31 @@ class Controller:
         trainers = self.placement.groups.trainers
         G = cfg.sampler.group_size
         tc = cfg.trainer
-        kl = values = None
-        if tc.kl_in_reward or tc.algorithm == "ppo":  # passes over the rollout before the advantages
+        kl = values = ref = old = None
+        est = get_estimator(tc.algorithm)  # what it needs is asked for here, before the advantages
+        if tc.kl_in_reward or est.reference or est.critic or est.old_logprobs:  # passes over the rollout
             layout = train_layout(gen)
             parts = self._per_trainer(layout)
-            if tc.kl_in_reward:  # the reference's logprobs: the penalty shapes the advantages
-                ref = np.concatenate(self._per_shard(self._get([t.logprobs.remote(b, True) for t, b in zip(
-                    trainers, parts)], "training", "the reference logprobs")))
+
+            def per_row(method: str, *args, what: str) -> np.ndarray:
+                refs = [getattr(t, method).remote(b, *args) for t, b in zip(trainers, parts)]
+                return np.concatenate(self._per_shard(self._get(refs, "training", what)))
+
+            if est.old_logprobs:  # the trainer's own logprobs of the rollout, before its update
+                old = per_row("logprobs", False, what="the policy's logprobs")
+                layout["old_logprobs"] = old * layout["loss_mask"]
+            if tc.kl_in_reward or est.reference:  # the reference's logprobs
+                ref = per_row("logprobs", True, what="the reference logprobs")
+            if tc.kl_in_reward:  # the penalty shapes the advantages
                 kl = kl_estimate(torch.from_numpy(layout["old_logprobs"]), torch.from_numpy(ref), tc.kl_estimator)
                 kl = (kl * torch.from_numpy(layout["loss_mask"])).numpy()
-            if tc.algorithm == "ppo":  # the critic's values: GAE needs them
-                values = np.concatenate(self._per_shard(self._get([t.values.remote(b) for t, b in zip(trainers, parts)],
-                                                                  "training", "the critic's values")))
+            if est.critic:  # the critic's values (GAE)
+                values = per_row("values", what="the critic's values")
         batch = build_train_batch(gen, rewards, G, tc.scale_rewards, estimator=tc.algorithm, kl=kl,
                                   kl_coef=tc.kl_coef, gamma=tc.gamma, values=values,
                                   lam=cfg.critic.gae_lambda if cfg.critic else 1.0,
-                                  turn_credit=cfg.env is not None and cfg.env.credit == "turn")
+                                  turn_credit=cfg.env is not None and cfg.env.credit == "turn",
+                                  reference_logprobs=ref, old_logprobs=old)
         t1 = time.perf_counter()
         parts = self._per_trainer(batch)
         stats = sync = probe = refs = None
