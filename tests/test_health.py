@@ -199,7 +199,7 @@ def test_loggers_jsonl_always_and_optional_ones_checked(tmp_path, monkeypatch):
         c = load_config(ROOT / "configs" / "quickstart.yaml", [f"loggers.{name}=true"])
         with pytest.raises(ConfigError, match=f"loggers.{name}=true but the '{name}' package") as err:
             check_loggers(c)
-        assert "\n" not in str(err.value) and "pip install -e '.[loggers]'" in str(err.value)
+        assert "\n" not in str(err.value) and f"pip install -e '.[{name}]'" in str(err.value)
 
 
 # The `loggers` extra is installed by `make setup` (CI): these run there, and each reads back what it logged.
@@ -221,7 +221,7 @@ def test_tensorboard_event_files(tmp_path):
     (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(events))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]  # grouped
     assert [(e.step, e.value) for e in acc.Scalars("eval/pass@k")] == [(2, 0.625)]  # evaluation figures too
 
 
@@ -239,7 +239,7 @@ def test_mlflow_sqlite_store(tmp_path, monkeypatch):
     exp = client.get_experiment_by_name("rltpu")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.run_name == "quickstart" and run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, "reward_mean")
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.75)]
     # MLflow names may not hold "@": eval/pass@k is logged as eval/pass_at_k
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")] == [(2, 0.625)]
@@ -278,5 +278,5 @@ def test_wandb_offline(tmp_path, monkeypatch):
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     (history,) = run.glob("run-*.wandb")  # what `wandb sync` would upload
     rows = _wandb_history(history)
-    assert [(r["_step"], r["reward_mean"]) for r in rows] == [(1, 0.25), (2, 0.75)]
+    assert [(r["_step"], r["reward/mean"]) for r in rows] == [(1, 0.25), (2, 0.75)]
     assert rows[1]["eval/pass@k"] == 0.625 and rows[1]["eval/accuracy"] == 0.5
