@@ -180,7 +180,7 @@ def test_watchdog_and_supervisor_history_is_bounded_by_config(tmp_path):
             def remote():
                 return "ref"
 
-    wd = Watchdog(Monitor, cfg.health, fence=None, write=lambda: None)
+    wd = Watchdog(Monitor, cfg.health, on_hung=None, write=lambda: None)
     ray_stub = SimpleNamespace(get=lambda ref, timeout=None: {"reports": {}, "spans": [
         {"actor": "sampler-0", "pid": 1, "phase": "sampling", "start": 0.0, "end": 1.0}] * 40})
     import ray
@@ -193,8 +193,7 @@ def test_watchdog_and_supervisor_history_is_bounded_by_config(tmp_path):
     finally:
         ray.get = real_get
     assert len(wd.spans) == 100
-    ctl = SimpleNamespace(cfg=cfg, step_idx=0, run_dir=tmp_path)
-    sup = Supervisor(ctl)
+    sup = Supervisor(cfg, tmp_path, None, SimpleNamespace(progress=lambda: (0, 0)))
     for k in range(50):
         sup.event(f"sampler-{k % 2}", "replaced", "test")
         sup.set_phase("sample" if k % 2 else "train", k)
@@ -208,7 +207,7 @@ def test_failed_trace_write_is_a_warning_not_the_end(tmp_path, capsys):
     from rltpu.control.supervisor import Supervisor
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", ["health.trace_every_s=0"])
-    sup = Supervisor(SimpleNamespace(cfg=cfg, step_idx=0, run_dir=tmp_path / "missing" / "dir"))
+    sup = Supervisor(cfg, tmp_path / "missing" / "dir", None, SimpleNamespace(progress=lambda: (0, 0)))
     sup.maybe_write_trace()  # the directory does not exist: OSError
     assert "could not write trace.json" in capsys.readouterr().err
 
@@ -224,14 +223,13 @@ def test_status_of_a_finished_run_shows_no_actor_training(tmp_path):
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", [])
     groups = SimpleNamespace(keys=lambda: {"trainer-0": ("trainer", 0), "sampler-0": ("sampler", 0)})
     table = SimpleNamespace(pod_type="v5litepod-4", to_rows=lambda: [])
-    ctl = SimpleNamespace(cfg=cfg, step_idx=10, version=10, run_dir=tmp_path, ray=None,
-                          placement=SimpleNamespace(groups=groups, table=table, emulated=True))
-    sup = Supervisor(ctl)
+    sup = Supervisor(cfg, tmp_path, SimpleNamespace(groups=groups, table=table, emulated=True),
+                     SimpleNamespace(progress=lambda: (10, 10), reward_health=lambda: None))
     now = __import__("time").time()
     beat = {"phase": "training", "step": 9, "version": 9, "incarnation": 0, "time": now, "received": now,
             "phase_since": now, "last_progress": now, "pid": 1}
     sup.watch = SimpleNamespace(reports={"trainer-0": dict(beat), "sampler-0": dict(beat, phase="syncing")},
-                                fenced={}, lock=__import__("threading").Lock(), stop=lambda: None,
+                                lock=__import__("threading").Lock(), stop=lambda: None,
                                 poll=lambda act: None, spans=[])
     sup.state = "finished"
     sup.write_health()

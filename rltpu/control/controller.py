@@ -47,12 +47,12 @@ from rltpu.control.environments import EnvPool
 from rltpu.control.interrupts import INTERRUPTS
 from rltpu.control.evaluation import Evaluator
 from rltpu.control.modes import PlacementMode, mode_for
-from rltpu.control.placement import Placement
+from rltpu.control.placement import Placement, form_process_groups
 from rltpu.control.records import StepTimes, step_record
 from rltpu.control.rewards import (RayRewardWorkers, RewardBatch, RewardFailureError, RewardPool,
                                    decode_completions)
 from rltpu.control.rollouts import PromptDraws, RolloutQueue
-from rltpu.control.supervisor import Supervisor
+from rltpu.control.supervisor import Job, Supervisor
 from rltpu.data.rewards import load_reward_fn
 from rltpu.data.envs.base import load_env_class, make_env
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
@@ -199,7 +199,11 @@ class Controller:
         self.compile_log, self.compile_summary = [], {}
         self._reward_parts: dict = {}
         check_loggers(cfg)  # a configured logger's missing package fails before Ray starts
-        self.supervisor = Supervisor(self)  # health monitor, fencing, replacement, rewind
+        # health monitor, fencing, replacement, rewind: it gets the placement and what it may ask of this run
+        self.supervisor = Supervisor(cfg, self.run_dir, self.placement, Job(
+            progress=lambda: (self.step_idx, self.version), build_samplers=self.build_samplers,
+            build_trainers=self.build_trainers, rewind=self.rewind_to_checkpoint, redraw=self.draws.rewind,
+            reward_health=lambda: self.rewards.health() if self.rewards is not None else None))
 
     @property
     def emulated(self) -> bool:
@@ -233,7 +237,7 @@ class Controller:
         # --resume PATH: the controller's resume is that checkpoint's path (rltpu.control.checkpoints)
         self.checkpoints = Checkpoints(ray, g, self.cfg, self.run_dir,
                                        source=self.resume if isinstance(self.resume, Path) else None)
-        self.supervisor.start()
+        self.supervisor.start(ray, self.weights)
         # CPU-only reward workers: their processes start while the chip actors build
         self.rewards = RewardPool(self.cfg.task, RayRewardWorkers(ray, self.cfg.task), self.run_dir,
                                   startup_s=d.identity,
@@ -242,15 +246,11 @@ class Controller:
         if self.cfg.env is not None:
             self.envs = EnvPool(ray, self.cfg, len(g.samplers))
             self.envs.start()
-        n_t = len(g.trainers)
-        members = self.mode.process_group_members(g)
-        master, port = bounded_get(ray, g.trainers[0].rendezvous.remote(), "rendezvous", d, "trainer 0's address")
+        master, port = form_process_groups(ray, g.trainers, self.mode.process_group_members(g), p.trainer_tp,
+                                           self.cfg.sync.timeout_s, d, "start-up")
         warning = fabric_warning(master, port)
         if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
             print(warning, file=sys.stderr, flush=True)
-        args = lambda r: (master, port, len(members), r, n_t, self.cfg.sync.timeout_s, p.trainer_tp)  # noqa: E731
-        bounded_get(ray, [a.init_process_groups.remote(*args(r)) for r, a in enumerate(members)], "rendezvous", d,
-                    "the process groups")
         builds = self.build_trainers()
         rm_vocab = bounded_get(ray, [r.build.remote() for r in g.rewarders], "loading", d, "the reward models")
         if rm_vocab and min(rm_vocab) < self.vocab:

@@ -28,6 +28,18 @@ def actor_env(cfg: RunConfig) -> dict[str, str]:
             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
+def form_process_groups(ray, trainers: list, members: list, trainer_tp: int, timeout_s: float, deadlines,
+                        what: str) -> tuple[str, int]:
+    """The trainers' rendezvous: trainer 0 picks the address, every member joins the default process
+    group (the trainer ranks first, forming their own group; TP groups of ``trainer_tp`` ranks).
+    At start-up and after a trainer-group restart; returns trainer 0's (host, port)."""
+    master, port = bounded_get(ray, trainers[0].rendezvous.remote(), "rendezvous", deadlines,
+                               f"{what}: trainer 0's address")
+    bounded_get(ray, [a.init_process_groups.remote(master, port, len(members), r, len(trainers), timeout_s, trainer_tp)
+                      for r, a in enumerate(members)], "rendezvous", deadlines, f"{what}: the process groups")
+    return master, port
+
+
 class ActorGroups:
     """The chip-owning actor handles by role, keyed ``"<role>-<rank>"`` for health and fencing.
 

@@ -1,19 +1,20 @@
-"""The controller's fault handling: watch, fence, replace, rewind.
+"""Fault handling: a pure policy decides, the supervisor acts.
 
-A collaborator the ``Controller`` owns (not a base class): it reads the controller's parts
-(placement, weights, prompt draws) and asks the controller only for what the step loop owns
-(building engines, rewinding to a checkpoint). Deciding is ``rltpu.observe.health.decide``;
-acting is here, and only the controller's supervisor acts:
-  * a sampler (or reward actor) that died or hung is fenced, a new process starts on the same
-    placement-group bundle (so the same chips), claims and compiles (from the JAX disk cache),
-    every actor joins the next weight-sync generation and gets the current weight version; the
+``plan_recovery`` (pure, table-tested) maps the actors found failed and their restart counts to
+actions keyed by role:
+  * ``REPLACE`` samplers / reward actors: fence each, start a new process on the same
+    placement-group bundle (so the same chips), claim and compile (from the JAX disk cache); every
+    actor then joins the next weight-sync generation and gets the current weight version; the
     interrupted call is re-issued with the same seed;
-  * a trainer that died or hung takes the whole trainer group down: new trainer processes on the
-    same bundles, the newest checkpoint that verifies, and step / weight version / data cursor
-    rewound to it (the ledger records the rollback); with no checkpoint yet, back to step 0;
-  * past ``health.max_restarts`` failures of one actor the job stops with ``HealthError``.
-It also keeps the run's health record: ``health.json``, the controller's phase spans and
-``trace.json``, and the dashboard.
+  * ``RESTART_TRAINERS``: a trainer that died or hung takes the whole group down: new trainer
+    processes on the same bundles, the newest checkpoint that verifies, and step / weight version /
+    data cursor rewound to it (the ledger records the rollback); with no checkpoint yet, step 0;
+  * ``STOP``: past ``health.max_restarts`` failures of one actor, ``HealthError`` with the reason.
+The ``Watchdog`` thread only reports (``rltpu.observe.health.decide``: which actor is hung); the
+supervisor fences what it reports. Its collaborators are explicit: the ``Placement`` (handles,
+replacement), the weight handoff (``start``), and a ``Job``: the callables of the run it
+watches (progress, engine rebuilds, rewind). It also keeps the run's health record:
+``health.json``, the driver's phase spans and ``trace.json``, and the dashboard.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 from rltpu.chips.topology import Role
+from rltpu.control.placement import form_process_groups
 from rltpu.observe.health import (HealthError, HealthMonitor, Watchdog, actor_rows, bounded_get, trace_events,
                                   write_health, write_trace)
+
+REPLACE, RESTART_TRAINERS, STOP = "replace", "restart-trainers", "stop"
 
 
 class TrainerGroupFailed(RuntimeError):
@@ -39,11 +46,57 @@ def _error_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[-1][:200] if text else ''}"
 
 
+def role_of(key: str) -> str:
+    return key.rsplit("-", 1)[0]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # REPLACE, RESTART_TRAINERS or STOP
+    keys: tuple[str, ...] = ()  # the actors it is about (RESTART_TRAINERS: the trainers that failed)
+    reason: str = ""
+
+
+def plan_recovery(failed: dict[str, str], restarts: dict[str, int], max_restarts: int,
+                  trainer_group: bool = False) -> list[Action]:
+    """Actions for ``failed`` (actor key -> why), in the order to take them. ``restarts``: each
+    key's restarts so far; ``trainer_group``: the trainer group is known to have failed (a
+    collective broke) even if no trainer is among ``failed`` (trainer-0 is then counted)."""
+    trainers = [k for k in failed if role_of(k) == "trainer"]
+    counted = dict(failed) | ({"trainer-0": failed.get("trainer-0", "the trainer group failed")}
+                              if trainer_group and not trainers else {})
+    for key, why in counted.items():
+        if restarts.get(key, 0) + 1 > max_restarts:
+            return [Action(STOP, (key,), f"{key} failed {restarts.get(key, 0) + 1} times (last: {why}); "
+                                         f"health.max_restarts={max_restarts} reached")]
+    others = tuple(k for k in failed if role_of(k) != "trainer")
+    if trainers or trainer_group:
+        group = tuple(trainers) or ("trainer-0",)
+        return [Action(RESTART_TRAINERS, group, "; ".join(f"{k}: {failed.get(k, 'the trainer group failed')}"
+                                                         for k in group))] + \
+            ([Action(REPLACE, others)] if others else [])
+    return [Action(REPLACE, others)] if others else []
+
+
+@dataclass
+class Job:
+    """What the supervisor asks of the run it watches (the controller supplies these callables)."""
+
+    progress: Callable[[], tuple[int, int]]  # (step, weight version) now
+    build_samplers: Callable[[list[int]], list]  # refs: rebuild these sampler ranks' engines
+    build_trainers: Callable[[], list]  # refs: rebuild every trainer engine
+    rewind: Callable[[], None]  # after a trainer restart: back to the newest valid checkpoint (or step 0)
+    redraw: Callable[[dict], None]  # a step that never reached the trainers: its prompts go back
+    reward_health: Callable[[], dict | None] = field(default=lambda: None)
+
+
 class Supervisor:
-    def __init__(self, ctl):
-        """``ctl``: the ``Controller`` that owns this supervisor (its parts are read through it)."""
-        self.ctl, self.cfg = ctl, ctl.cfg
+    def __init__(self, cfg, run_dir, placement, job: Job):
+        self.cfg, self.run_dir, self.placement, self.job = cfg, run_dir, placement, job
+        self.ray = self.weights = None  # given at ``start``
         self.monitor = self.watch = self.dashboard = None
+        self.fenced: dict[str, str] = {}  # key -> reason, until the actor is replaced
+        self.lock = threading.Lock()
         self.restarts: dict[str, int] = {}
         self.incarnation: dict[str, int] = {}
         hc = self.cfg.health  # bounded history: health.json/trace.json on disk are the record
@@ -57,7 +110,7 @@ class Supervisor:
 
     @property
     def groups(self):
-        return self.ctl.placement.groups
+        return self.placement.groups
 
     # -- the driver's phase -----------------------------------------------------------------------
     @property
@@ -75,34 +128,37 @@ class Supervisor:
         self._phase = name
 
     # -- start ----------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, ray, weights) -> None:
         """The monitor actor (no CPU, no chips), every actor's heartbeat thread, the watchdog, the
-        dashboard."""
-        ray, hc = self.ctl.ray, self.cfg.health
+        dashboard. ``weights``: the weight handoff the supervisor re-joins after a replacement."""
+        self.ray, self.weights = ray, weights
+        hc = self.cfg.health
         if hc.enabled:
             self.monitor = ray.remote(HealthMonitor).options(
                 name=f"rltpu-health-{os.getpid()}", num_cpus=0, max_concurrency=4).remote()
             for key, (role, rank) in self.groups.keys().items():
                 self.incarnation[key] = 0
                 self.groups.group(role)[rank].start_heartbeat.remote(self.monitor, hc.heartbeat_s, 0)
-            self.watch = Watchdog(self.monitor, hc, self.fence, self.write_health, hc.poll_s, ray)
+            self.watch = Watchdog(self.monitor, hc, self.on_hung, self.write_health, hc.poll_s, ray,
+                                  skip=lambda: set(self.fenced))
             self.watch.start()
         if self.cfg.dashboard.enabled:
             from rltpu.observe.dashboard import serve
 
-            self.dashboard = serve(self.ctl.run_dir, self.cfg.dashboard.host, self.cfg.dashboard.port)
+            self.dashboard = serve(self.run_dir, self.cfg.dashboard.host, self.cfg.dashboard.port)
             host, port = self.dashboard.server_address[:2]
             print(f"rltpu: dashboard at http://{host}:{port}/", file=sys.stderr, flush=True)
 
     # -- the files ------------------------------------------------------------------------------
     def write_health(self) -> None:
-        ctl, watch, cfg = self.ctl, self.watch, self.cfg
-        table = ctl.placement.table
-        reports, fenced = (dict(watch.reports), dict(watch.fenced)) if watch else ({}, {})
+        watch, cfg = self.watch, self.cfg
+        table = self.placement.table
+        reports, fenced = (dict(watch.reports) if watch else {}), dict(self.fenced)
         now = time.time()
-        doc = {"time": now, "state": self.state, "error": self.error, "run_dir": str(ctl.run_dir),
-               "step": ctl.step_idx, "steps": cfg.trainer.steps, "weight_version": ctl.version,
-               "phase": self._phase, "emulated": ctl.placement.emulated if ctl.ray else None,
+        step, version = self.job.progress()
+        doc = {"time": now, "state": self.state, "error": self.error, "run_dir": str(self.run_dir),
+               "step": step, "steps": cfg.trainer.steps, "weight_version": version,
+               "phase": self._phase, "emulated": self.placement.emulated if self.ray else None,
                "pod_type": table.pod_type,
                # colocated: each trainer-<rank> process also runs that chip's sampler
                "mode": cfg.placement.mode, "staleness": cfg.placement.staleness,
@@ -113,8 +169,8 @@ class Supervisor:
                "restarts": dict(self.restarts), "events": list(self.events),
                "deadlines": cfg.health.deadlines.model_dump(), "max_restarts": cfg.health.max_restarts,
                # the CPU reward workers: replacements, running failure totals, the newest step's counters
-               "rewards": ctl.rewards.health() if getattr(ctl, "rewards", None) is not None else None}
-        write_health(ctl.run_dir / "health.json", doc)
+               "rewards": self.job.reward_health()}
+        write_health(self.run_dir / "health.json", doc)
 
     def _rows(self, reports: dict, fenced: dict, now: float) -> list[dict]:
         rows = actor_rows(reports, list(self.groups.keys()), self.restarts, fenced, now)
@@ -124,7 +180,7 @@ class Supervisor:
             for row in rows:
                 row["phase"] = "exited"
                 if row["group"] == "trainer" and self.state == "finished":
-                    row["step"] = row["version"] = self.ctl.version
+                    row["step"] = row["version"] = self.job.progress()[1]
         return rows
 
     def write_trace(self) -> None:
@@ -134,7 +190,7 @@ class Supervisor:
         else:
             spans = []
         self._trace_written = time.monotonic()
-        write_trace(self.ctl.run_dir / "trace.json", trace_events(spans, list(self.spans), self.t0))
+        write_trace(self.run_dir / "trace.json", trace_events(spans, list(self.spans), self.t0))
 
     def maybe_write_trace(self) -> None:
         """Between steps: trace.json at most every ``health.trace_every_s``; a failed write (full disk,
@@ -148,18 +204,22 @@ class Supervisor:
                   file=sys.stderr, flush=True)
 
     # -- fencing --------------------------------------------------------------------------------
-    def fence(self, key: str, why: str, incarnation: int | None = None) -> None:
-        """Make ``key``'s current process unable to act again: Ray kill, plus SIGKILL of its pid when
-        it runs on this host (a SIGSTOPped process cannot run Ray's own exit path). A verdict about
-        an incarnation already replaced is dropped."""
-        if incarnation is not None and incarnation != self.incarnation.get(key, 0):
-            with self.watch.lock:
-                self.watch.fenced.pop(key, None)
+    def on_hung(self, key: str, why: str, incarnation: int) -> None:
+        """The watchdog's report (its thread): ``key`` is hung. A verdict about an incarnation already
+        replaced is dropped; else the actor is fenced, which unblocks a step waiting on it."""
+        if incarnation != self.incarnation.get(key, 0):
             return
+        with self.lock:
+            self.fenced[key] = why
+        self.fence(key, why)
+
+    def fence(self, key: str, why: str) -> None:
+        """Make ``key``'s current process unable to act again: Ray kill, plus SIGKILL of its pid when
+        it runs on this host (a SIGSTOPped process cannot run Ray's own exit path)."""
         handle = self.groups.handle(key)
         report = (self.watch.reports.get(key) if self.watch else None) or {}
         try:
-            self.ctl.ray.kill(handle, no_restart=True)
+            self.ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
         pid = report.get("pid")
@@ -173,17 +233,17 @@ class Supervisor:
         self.event(key, "fenced", why)
 
     def event(self, key: str, what: str, why: str) -> None:
-        ev = {"time": time.time(), "actor": key, "what": what, "why": why, "step": self.ctl.step_idx}
+        ev = {"time": time.time(), "actor": key, "what": what, "why": why, "step": self.job.progress()[0]}
         self.events.append(ev)
         print(f"rltpu: health: {key} {what}: {why}", file=sys.stderr, flush=True)
 
     def _fenced(self, key: str) -> bool:
-        return bool(self.watch and key in self.watch.fenced)
+        return key in self.fenced
 
     def find_failed(self, err: BaseException | None = None) -> dict[str, str]:
         """Actors that are dead (their calls fail) or fenced; waits for busy ones to answer."""
-        ray = self.ctl.ray
-        failed = dict(self.watch.fenced) if self.watch else {}
+        ray = self.ray
+        failed = dict(self.fenced)
         pending = {key: self.groups.group(role)[rank].report.remote()
                    for key, (role, rank) in self.groups.keys().items() if key not in failed}
         d = self.cfg.health.deadlines
@@ -198,69 +258,71 @@ class Supervisor:
                         failed[key] = f"died ({_error_line(e)})"
                     del pending[key]
                 elif self._fenced(key):
-                    failed[key] = self.watch.fenced[key]
+                    failed[key] = self.fenced[key]
                     del pending[key]
-            if any(k.startswith("trainer-") for k in failed):
+            if any(role_of(k) == "trainer" for k in failed):
                 # the trainer group restarts as a whole: a rank blocked in a collective with the
                 # dead one cannot answer and need not (``restart_trainers`` fences every rank)
-                for key in [k for k in pending if k.startswith("trainer-")]:
+                for key in [k for k in pending if role_of(k) == "trainer"]:
                     del pending[key]
         failed |= {key: "unresponsive" for key in pending}
         return failed
 
-    def _count_restart(self, key: str, why: str) -> None:
-        self.restarts[key] = self.restarts.get(key, 0) + 1
-        if self.restarts[key] > self.cfg.health.max_restarts:
-            self.state, self.error = "failed", (
-                f"{key} failed {self.restarts[key]} times (last: {why}); health.max_restarts="
-                f"{self.cfg.health.max_restarts} reached; events in {self.ctl.run_dir / 'health.json'}")
-            self.write_health()
-            raise HealthError(self.error)
+    # -- acting on the policy's actions ------------------------------------------------------------
+    def _plan(self, failed: dict[str, str], trainer_group: bool = False) -> list[Action]:
+        """The policy's actions; a STOP is taken here (the job ends with ``HealthError``)."""
+        actions = plan_recovery(failed, self.restarts, self.cfg.health.max_restarts, trainer_group)
+        for a in actions:
+            if a.kind == STOP:
+                self.state, self.error = "failed", f"{a.reason}; events in {self.run_dir / 'health.json'}"
+                self.write_health()
+                raise HealthError(self.error)
+        return actions
 
-    # -- replacing ------------------------------------------------------------------------------
     def _respawn(self, key: str) -> None:
         """A new process for ``key`` on its old bundle: same chips, checked; heartbeat started."""
         role, rank = self.groups.keys()[key]
         inc = self.incarnation.get(key, 0) + 1
         self.incarnation[key] = inc
         if self.monitor is not None:
-            self.ctl.ray.get(self.monitor.expect.remote(key, inc), timeout=30)
-        new = self.ctl.placement.replace(role, rank, inc)
+            self.ray.get(self.monitor.expect.remote(key, inc), timeout=30)
+        new = self.placement.replace(role, rank, inc)
         if self.monitor is not None:
             new.start_heartbeat.remote(self.monitor, self.cfg.health.heartbeat_s, inc)
-        if self.watch is not None:
-            with self.watch.lock:
-                self.watch.fenced.pop(key, None)
+        with self.lock:
+            self.fenced.pop(key, None)
 
-    def _replace(self, failed: dict[str, str]) -> None:
-        """Samplers / reward actors in ``failed``: fence, respawn, build (no weights yet)."""
+    def _replace(self, keys, failed: dict[str, str]) -> None:
+        """REPLACE: samplers / reward actors fenced, respawned, built (no weights yet)."""
         t0 = time.time()
-        for key, why in failed.items():
-            self._count_restart(key, why)
+        for key in keys:
+            self.restarts[key] = self.restarts.get(key, 0) + 1
             if not self._fenced(key):
-                self.fence(key, why)
+                self.fence(key, failed[key])
             self._respawn(key)
-        ranks = {role: [r for k, (role_k, r) in self.groups.keys().items() if k in failed and role_k == role]
+        ranks = {role: [r for k, (role_k, r) in self.groups.keys().items() if k in keys and role_k == role]
                  for role in (Role.SAMPLER, Role.REWARD)}
-        bounded_get(self.ctl.ray, self.ctl.build_samplers(ranks[Role.SAMPLER])
+        bounded_get(self.ray, self.job.build_samplers(ranks[Role.SAMPLER])
                     + [self.groups.rewarders[r].build.remote() for r in ranks[Role.REWARD]], "compiling",
-                    self.cfg.health.deadlines, f"rebuilding {', '.join(failed)}")
-        for key in failed:
+                    self.cfg.health.deadlines, f"rebuilding {', '.join(keys)}")
+        for key in keys:
             self.event(key, "replaced", f"new process on the same chips in {time.time() - t0:.1f}s")
 
     def heal(self, err: BaseException) -> bool:
-        """After a failed call: replace dead/hung samplers and reward actors and bring every sampler
-        to the current weight version. False when no actor failed (the error is not ours)."""
+        """After a failed call mid-step: replace dead/hung samplers and reward actors and bring every
+        sampler to the current weight version. False when no actor failed (the error is not ours);
+        a failed trainer raises ``TrainerGroupFailed`` for the step loop's ``recover``."""
         if self.monitor is None:
             return False
         self.state = "recovering"
         failed = self.find_failed(err)
-        if not failed:
+        actions = self._plan(failed)
+        if not actions:
             self.state = "running"
             return False
-        if any(k.startswith("trainer-") for k in failed):
-            raise TrainerGroupFailed("; ".join(f"{k}: {w}" for k, w in failed.items()))
-        self._replace(failed)
+        if actions[0].kind == RESTART_TRAINERS:
+            raise TrainerGroupFailed(actions[0].reason)
+        self._replace(actions[0].keys, failed)
         self.resync()
         self.state = "running"
         return True
@@ -269,63 +331,60 @@ class Supervisor:
         """Next sync generation for everyone, then the current version (the weight-sync re-join)."""
         while True:
             try:
-                self.ctl.weights.join()
-                self.ctl.weights.push(self.ctl.version)
+                self.weights.join()
+                self.weights.push(self.job.progress()[1])
                 return
             except Exception as err:  # noqa: BLE001 - another actor failed meanwhile
                 failed = self.find_failed(err)
-                if not failed:
+                actions = self._plan(failed)
+                if not actions:
                     raise
-                if any(k.startswith("trainer-") for k in failed):
-                    raise TrainerGroupFailed("; ".join(f"{k}: {w}" for k, w in failed.items())) from err
-                self._replace(failed)
+                if actions[0].kind == RESTART_TRAINERS:
+                    raise TrainerGroupFailed(actions[0].reason) from err
+                self._replace(actions[0].keys, failed)
 
-    def restart_trainers(self, why: str) -> None:
-        """Fence every trainer rank, start the group again on its bundles and rewind the job to the
-        newest valid checkpoint (step, weight version, data cursor; ledger rollback)."""
-        ctl, ray = self.ctl, self.ctl.ray
+    def restart_trainers(self, action: Action, failed: dict[str, str]) -> None:
+        """RESTART_TRAINERS: fence every trainer rank, start the group again on its bundles and rewind
+        the job to the newest valid checkpoint (step, weight version, data cursor; ledger rollback).
+        The samplers get the rewound version at the next ``resync``."""
+        ray, why = self.ray, action.reason
         self.state, t0 = "recovering", time.time()
-        failed = self.find_failed()
-        for key in [k for k in failed if k.startswith("trainer-")] or ["trainer-0"]:
-            self._count_restart(key, failed.get(key, why))
+        for key in action.keys:
+            self.restarts[key] = self.restarts.get(key, 0) + 1
         for key in self.groups.keys():
-            if key.startswith("trainer-") and not self._fenced(key):
+            if role_of(key) == "trainer" and not self._fenced(key):
                 self.fence(key, failed.get(key, f"restarting the trainer group ({why})"))
         trainers = self.groups.trainers
         for r in range(len(trainers)):
             self._respawn(f"trainer-{r}")
         d = self.cfg.health.deadlines
-        master, port = bounded_get(ray, trainers[0].rendezvous.remote(), "rendezvous", d, "the new trainer 0's address")
-        bounded_get(ray, [t.init_process_groups.remote(master, port, len(trainers), r, len(trainers),
-                                                       self.cfg.sync.timeout_s, ctl.placement.trainer_tp)
-                          for r, t in enumerate(trainers)],
-                    "rendezvous", d, "the new trainer group's process groups")
-        bounded_get(ray, ctl.build_trainers(), "loading", d, "rebuilding the trainer engines")
-        others = {k: w for k, w in failed.items() if not k.startswith("trainer-")}
-        if others:
-            self._replace(others)
-        ctl.rewind_to_checkpoint()
-        ctl.weights.forget_store()  # it lived in the old trainer 0
-        self.resync()
-        self.event("trainer", "restarted", f"group from step {ctl.step_idx} in {time.time() - t0:.1f}s ({why})")
-        self.state = "running"
+        form_process_groups(ray, trainers, trainers, self.placement.trainer_tp, self.cfg.sync.timeout_s, d,
+                            "the new trainer group")
+        bounded_get(ray, self.job.build_trainers(), "loading", d, "rebuilding the trainer engines")
+        self.job.rewind()
+        self.weights.forget_store()  # it lived in the old trainer 0
+        self.event("trainer", "restarted", f"group from step {self.job.progress()[0]} in {time.time() - t0:.1f}s "
+                                           f"({why})")
 
     def recover(self, err: BaseException, data_before: dict, step_before: int) -> None:
-        """A step failed: restart trainers (rewind) or replace samplers and redo the step."""
+        """A step failed: the policy's actions, taken in order; a step whose batch never reached the
+        trainers is drawn again."""
         if self.monitor is None:
             raise err
-        if isinstance(err, TrainerGroupFailed):
-            return self.restart_trainers(str(err))
         self.state = "recovering"
-        failed = self.find_failed(err)
-        if not failed:
+        group_failed = isinstance(err, TrainerGroupFailed)
+        failed = self.find_failed(None if group_failed else err)
+        actions = self._plan(failed, trainer_group=group_failed)
+        if not actions:
             raise err
-        if any(k.startswith("trainer-") for k in failed):
-            return self.restart_trainers("; ".join(f"{k}: {w}" for k, w in failed.items()))
-        self._replace(failed)
+        for action in actions:
+            if action.kind == RESTART_TRAINERS:
+                self.restart_trainers(action, failed)
+            else:
+                self._replace(action.keys, failed)
         self.resync()
-        if self.ctl.step_idx == step_before:  # the batch never reached the trainers: draw it again
-            self.ctl.draws.rewind(data_before)
+        if actions[0].kind == REPLACE and self.job.progress()[0] == step_before:
+            self.job.redraw(data_before)  # the batch never reached the trainers: draw it again
         self.state = "running"
 
     def stop(self, state: str) -> None:

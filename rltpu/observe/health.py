@@ -9,9 +9,10 @@ Who does what:
     whose work loop hangs still reports, and one stopped whole (SIGSTOP) goes quiet;
   * ``decide`` (pure) turns the latest reports into verdicts: HUNG when a phase ran past its
     deadline (compiling long, syncing short) or the heartbeats stopped;
-  * the controller's ``Watchdog`` thread polls the monitor, fences hung actors (Ray kill plus
-    SIGKILL of the pid on this host, so they never write again) and writes ``health.json``;
-    only the controller replaces actors (``rltpu.control.supervisor.Supervisor``: ``heal``, ``restart_trainers``).
+  * the controller's ``Watchdog`` thread polls the monitor, reports each hung actor (``on_hung``)
+    and writes ``health.json``; it acts on nothing itself: the supervisor fences what it reports
+    (Ray kill plus SIGKILL of the pid on this host, so they never write again) and replaces actors
+    (``rltpu.control.supervisor``).
 A heartbeat carries the actor's incarnation; the monitor drops beats from a fenced incarnation.
 """
 
@@ -187,22 +188,24 @@ def deadlines_of(health_cfg) -> dict[str, float]:
 
 
 class Watchdog(threading.Thread):
-    """Controller-side poller: monitor snapshot -> verdicts -> ``fence(key, reason)`` -> health.json.
+    """Controller-side poller: monitor snapshot -> verdicts -> ``on_hung(key, why, incarnation)`` ->
+    health.json. It only reports.
 
     Runs beside the step loop, so a phase blocked in ``ray.get`` on a hung actor is unblocked by
-    the fence (the call then fails with an actor error and the controller replaces the actor).
+    what the report leads to (the supervisor fences it: the call fails with an actor error and the
+    actor is replaced).
     """
 
-    def __init__(self, monitor, cfg, fence, write, poll_s: float = 1.0, ray=None):
-        """``ray``: the module (or the controller tests' in-process stand-in) that reaches ``monitor``."""
+    def __init__(self, monitor, cfg, on_hung, write, poll_s: float = 1.0, ray=None, skip=lambda: set()):
+        """``ray``: the module (or the controller tests' in-process stand-in) that reaches ``monitor``;
+        ``skip()``: actors already reported and not yet replaced (no verdict again)."""
         super().__init__(name="rltpu-watchdog", daemon=True)
-        self.monitor, self.cfg, self.fence, self.write, self.poll_s = monitor, cfg, fence, write, poll_s
-        self.ray = ray
+        self.monitor, self.cfg, self.on_hung, self.write, self.poll_s = monitor, cfg, on_hung, write, poll_s
+        self.ray, self.skip = ray, skip
         self.deadlines = deadlines_of(cfg)
         self.reports: dict[str, dict] = {}
         # the newest phase spans only (trace.json); older ones are in earlier trace.json writes
         self.spans: deque[dict] = deque(maxlen=getattr(cfg, "trace_max_spans", 20_000))
-        self.fenced: dict[str, str] = {}  # key -> reason, until the controller replaces it
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -216,11 +219,9 @@ class Watchdog(threading.Thread):
             self.reports = snap["reports"]
             self.spans.extend(snap["spans"])
             verdicts = decide(self.reports, time.time(), self.deadlines, self.cfg.heartbeat_timeout_s,
-                              skip=set(self.fenced))
+                              skip=self.skip())
         for key, why in verdicts.items() if act else ():
-            with self.lock:
-                self.fenced[key] = why
-            self.fence(key, why, self.reports[key]["incarnation"])
+            self.on_hung(key, why, self.reports[key]["incarnation"])
         self.write()
 
     def run(self) -> None:
