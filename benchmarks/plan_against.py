@@ -54,6 +54,11 @@ def main() -> None:
             if res.returncode:
                 sys.exit(f"plan_against: training failed: {res.stderr[-2000:]}")
         doc["run_dir_given"] = bool(args.run_dir)
+        run_cfg = run_dir / "config.yaml"  # the engine the run sampled with (the planner costs the same one)
+        if run_cfg.is_file():
+            import yaml
+
+            doc["sampler_engine"] = (yaml.safe_load(run_cfg.read_text()).get("sampler") or {}).get("engine")
         cache = tmp / "cache"
         env = dict(ENV, **({} if args.cached else {"RLTPU_CACHE_DIR": str(cache)}))
         cmd = ["plan", CONFIG, "--hardware", "cpu", *([] if args.cached else ["--rebench"]), "--against", str(run_dir),
