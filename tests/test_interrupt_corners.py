@@ -158,6 +158,7 @@ def test_a_signal_between_the_update_and_the_metrics_line_keeps_the_line(tmp_pat
     from rltpu.config import build_config
     from rltpu.control import controller as ctl_mod
     from rltpu.control.interrupts import Interrupts
+    from rltpu.control.modes import mode_for
     from rltpu.observe.metrics import read_metrics
 
     sig = Interrupts()
@@ -165,14 +166,15 @@ def test_a_signal_between_the_update_and_the_metrics_line_keeps_the_line(tmp_pat
     saved = []
     c = ctl_mod.Controller.__new__(ctl_mod.Controller)
     c.cfg = build_config({"trainer": {"steps": 5}, "progress": False})
-    c.run_dir, c.staleness, c.evaluator, c.handle_signals, c.started = tmp_path, 0, None, True, True
+    c.run_dir, c.evaluator, c.handle_signals, c.started = tmp_path, None, True, True
+    c.mode = mode_for(c.cfg.placement)
     c.step_idx, c.version, c.steps_run, c.interrupted_record, c.writer = 0, 0, 0, None, None
-    c.recent, c._data_before = deque(maxlen=5), None
+    c.recent, c.data_before = deque(maxlen=5), None
     c.data = SimpleNamespace(state_dict=lambda: {"pos": c.step_idx})
     c.draws = SimpleNamespace(pending=[])
     c.rewards = SimpleNamespace(begin_step=lambda k: None)
     c.rollouts = SimpleNamespace(prompts_in_flight=lambda: [])
-    c.checkpoints = SimpleNamespace(save=lambda step, *a: saved.append(step))
+    c.checkpoints = SimpleNamespace(save=lambda step, *a: saved.append(step), due=lambda step: False)
     c.supervisor = SimpleNamespace(phase="idle", set_phase=lambda name, step: None, maybe_write_trace=lambda: None)
 
     def step():
