@@ -6,7 +6,9 @@ One step (``Controller.step``), on-policy:
   1. the next ``prompts_per_step`` prompts are split over the sampler actors, each draws G
      completions per prompt with its compiled JAX program (weights of version v);
   2. rewards: each sampler's rows go to the CPU reward workers as soon as they arrive
-     (``RewardPool``: deadlines, defaults, counters); group-relative advantages are computed here;
+     (``RewardPool``: deadlines, defaults, counters); the advantages of ``trainer.algorithm``'s
+     registered estimator (``learner.losses.ESTIMATORS``) are computed here, after the passes it
+     declares it needs (reference or own logprobs, the critic's values);
   3. the fixed-shape batch is split by rank over the FSDP2 trainer actors, which take one AdamW
      step (version v+1);
   4. the new weights go to every sampler (``WeightSync``);
@@ -19,8 +21,9 @@ The controller owns its parts and wires them; each is a plain object with its ow
 ``Placement`` (chips, placement group, actor handles, ``placement.json``), ``WeightSync``,
 ``Checkpoints``, ``PromptDraws`` + ``RolloutQueue`` (what was drawn, what is in flight), the
 ``RewardPool`` (rule rewards), the ``Evaluator`` (held-out eval) and the ``Supervisor`` (health,
-fencing, replacement, rewind). Every remote call is a visible method call
-on a named actor handle.
+fencing, replacement, rewind: it gets the placement and a ``Job`` of callables, not this object).
+The placement comes through a factory, so the tests run this loop on in-process fakes
+(``tests/fakes.py``). Every remote call is a visible method call on a named actor handle.
 """
 
 from __future__ import annotations
