@@ -65,6 +65,14 @@ def _kinds(annotation) -> set[str]:
     return {{int: "int", float: "float", bool: "bool", str: "str"}.get(annotation, "other")}
 
 
+def _of_strings(annotation) -> bool:
+    """``tuple[str, ...]`` (or ``| None``): a sequence whose items are plain strings."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_of_strings(a) for a in args)
+    return typing.get_origin(annotation) in (tuple, list) and bool(args) and args[0] is str
+
+
 def _invalid(key: str, info) -> list[tuple[str, object]]:
     """(label, value) pairs the schema must refuse for ``key``."""
     kinds = _kinds(info.annotation)
@@ -90,8 +98,9 @@ def _invalid(key: str, info) -> list[tuple[str, object]]:
     elif kinds <= {"literal"}:
         out += [("literal", "no-such-choice"), ("type-list", ["a"])]
     elif kinds <= {"seq"}:
-        out += [("type-str-in-seq", ["x"]), ("type-dict", {"a": 1}), ("inf-in-seq", [math.inf]),
-                ("nan-in-seq", [math.nan])]
+        # a sequence of strings (loggers.wandb_tags) takes ["x"]: an int is what it must refuse
+        wrong = ("type-int-in-seq", [5]) if _of_strings(info.annotation) else ("type-str-in-seq", ["x"])
+        out += [wrong, ("type-dict", {"a": 1}), ("inf-in-seq", [math.inf]), ("nan-in-seq", [math.nan])]
     elif kinds <= {"dict"}:
         out += [("type-list", [1, 2]), ("type-str", "x"), ("nan-in-dict", {"a": math.nan}),
                 ("inf-in-dict", {"a": {"b": [math.inf]}})]
