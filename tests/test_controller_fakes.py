@@ -203,3 +203,22 @@ def test_a_registered_estimator_is_valid_config_and_gets_what_it_declares(tmp_pa
     np.testing.assert_allclose(x.reference_logprobs.sum(1).numpy(), -np.full(len(m), m.shape[1]))
     np.testing.assert_allclose(batch["advantages"], (x.rewards.numpy() + m.shape[1])[:, None] * m)
     assert (batch["old_logprobs"] == -m).all()  # the trainer's own, not the sampler's (-log of the vocabulary)
+
+
+def test_ppo_asks_the_trainers_for_the_critics_values(tmp_path):
+    """PPO declares ``critic``: the trainers' values come first and the batch carries the critic's targets."""
+    from learner.losses import gae, outcome_token_rewards, whiten
+    import torch
+
+    ctl, actors, records = run(make_cfg(tmp_path, trainer__steps=1, trainer__algorithm="ppo", critic={"lr": 1e-3}))
+    assert [r["step"] for r in records] == [1]
+    b = {k: np.concatenate([x[k] for _, x in actors.batches]) for k in ("advantages", "returns", "old_values",
+                                                                         "loss_mask")}
+    assert (b["old_values"] == 0).all()  # FakeTrainer.values: 0 everywhere, masked
+    m = torch.from_numpy(b["loss_mask"])
+    # the returns of zero values are the outcome reward on every token (gamma 1): one value per row
+    per_row = [set(np.round(r[mk > 0], 6)) for r, mk in zip(b["returns"], b["loss_mask"])]
+    assert all(len(s) == 1 for s in per_row)
+    rewards = torch.tensor([next(iter(s)) for s in per_row])
+    adv, ret = gae(outcome_token_rewards(rewards, m), torch.zeros_like(m), m, 1.0, ctl.cfg.critic.gae_lambda)
+    np.testing.assert_allclose(b["advantages"], whiten(adv, m).numpy(), atol=1e-5)
