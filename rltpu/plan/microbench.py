@@ -172,7 +172,9 @@ def bench_jax_sample_probes() -> dict[str, dict]:
     seconds per call and its marginal FLOP/s."""
     world = min(2, os.cpu_count() or 1)
     port = _free_port()
-    return _run_procs(_SAMPLE_PROBES, [[str(r), str(world), str(port)] for r in range(world)], "sampler probe")
+    # both engines at two widths: about 50 s on a quiet 2-core machine, several minutes under load
+    return _run_procs(_SAMPLE_PROBES, [[str(r), str(world), str(port)] for r in range(world)], "sampler probe",
+                      timeout=600)
 
 
 def bench_jax_sample_probe(width: int = PROBE["hidden_size"], dist=None) -> dict:
@@ -737,7 +739,7 @@ def load_or_run(rebench: bool = False, path: Path | None = None) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-m", "rltpu.plan.microbench"], capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env=env, timeout=900)
     if proc.returncode:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"cpu micro-benchmark failed: {tail}")
