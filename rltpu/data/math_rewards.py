@@ -53,12 +53,18 @@ def after_mark(text: str) -> str:
 
 def parse_answer(text: str) -> list:
     """math-verify's parse of ``text`` (``[]`` when it finds no answer in it)."""
-    mv = _math_verify()
-    return mv.parse(text, parsing_timeout=None)
+    return list(_parse(text))
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> tuple:
+    return tuple(_math_verify().parse(text, parsing_timeout=None))
+
+
+@functools.lru_cache(maxsize=4096)
 def answers_match(reference: str, answer: str) -> bool:
-    """Whether ``answer`` states the same value as ``reference`` (both as math-verify parses them)."""
+    """Whether ``answer`` states the same value as ``reference`` (both as math-verify parses them).
+    Cached: a group's samples often end in the same answer, and sympy's parse costs milliseconds."""
     gold, pred = parse_answer(reference), parse_answer(answer)
     if not gold or not pred:
         return False
