@@ -90,12 +90,16 @@ def test_gsm8k_format_arithmetic_learns_with_the_recipe_rewards(tmp_path, shared
     share of right answers is at most that: every weight is >= 0) and greedy accuracy on the held-out
     file reaches 0.8."""
     from rltpu.data.arithmetic import write_arithmetic_task
+    from rltpu.models.hf.tiny import write_tiny_checkpoint
     from rltpu.observe.metrics import read_metrics
 
     made = write_arithmetic_task(tmp_path / "arith")
+    # rltpu tiny-checkpoint DIR --arch llama --tokenizer arith --hidden-size 128 --init-std 0.02 (the config's header)
+    model = write_tiny_checkpoint(tmp_path / "arith" / "model", "llama", tokenizer="arith", hidden_size=128,
+                                  init_std=0.02)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "gsm8k_arith.yaml"),
-           f"run_dir={run_dir}", "progress=false", f"model.path={made['model']}", f"task.dataset={made['train']}",
+           f"run_dir={run_dir}", "progress=false", f"model.path={model}", f"task.dataset={made['train']}",
            f"eval.dataset={made['test']}", "--address", shared_ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]

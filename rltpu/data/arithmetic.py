@@ -1,16 +1,18 @@
 """A synthetic arithmetic task in GSM8K's format, with a tiny model that learns it on CPU in minutes.
 
-    python -m rltpu.data.arithmetic data/arith      # then: rltpu train configs/gsm8k_arith.yaml
+    python -m rltpu.data.arithmetic data/arith
+    rltpu tiny-checkpoint data/arith/model --arch llama --tokenizer arith --hidden-size 128 --init-std 0.02
+    rltpu train configs/gsm8k_arith.yaml
 
 writes ``train.jsonl`` and ``test.jsonl`` (rows like GSM8K's: ``question`` "3 + 4 = ?", ``answer``
-"3 + 4 = 7\\n#### 7") and ``model/``: a tiny random Llama written by ``transformers`` with a word-level
-tokenizer (one id per word of the task, ChatML chat template). ``configs/gsm8k_arith.yaml`` trains it
-with GSM8K's own rewards (``rltpu.data.math_rewards``: math-verify correctness against the ``####``
+"3 + 4 = 7\\n#### 7"); ``rltpu tiny-checkpoint --tokenizer arith`` writes a tiny random Llama with a
+word-level tokenizer over :func:`corpus` (one id per word of the task, ChatML chat template).
+``configs/gsm8k_arith.yaml`` trains it with GSM8K's own rewards (``rltpu.data.math_rewards``: math-verify correctness against the ``####``
 answer, plus the format bonus) and evaluates greedy accuracy on ``test.jsonl``.
 
 What it shows: the recipe's data path (a question column, a prompt template in a chat turn after a
-system prompt), its weighted rewards and its evaluation make a policy learn, here from near 0 to
-near 1. What it does not: the sums come from one table of 100 (a and b in 0..9) in both files, so a
+system prompt), its weighted rewards and its evaluation make a policy learn. What it does not: the
+sums come from one small table (a and b in 0..max_operand: 25 sums by default) in both files, so a
 tiny model can memorise them; it says nothing about reasoning. Nothing is downloaded.
 """
 
@@ -36,33 +38,22 @@ def arithmetic_rows(n: int, seed: int = 0, max_operand: int = 9, split: str = "t
     return rows
 
 
-def corpus(max_operand: int = 9) -> list[str]:
+def corpus(max_operand: int = 9) -> list[str]:  # 9: one tokenizer serves every --max-operand up to 9
     """Every word the task's prompts and answers use (the word-level tokenizer's vocabulary)."""
     words = [str(k) for k in range(2 * max_operand + 1)] + ["+", "=", "?", "####"]
     return [" ".join(words), SYSTEM_PROMPT, "user assistant system"]
 
 
 def write_arithmetic_task(directory: str | Path, train_rows: int = 2000, test_rows: int = 200, seed: int = 0,
-                          max_operand: int = 4, hidden_size: int = 128, num_layers: int = 2) -> dict:
-    """Write ``train.jsonl``, ``test.jsonl`` and ``model/`` under ``directory``; returns their paths."""
-    from rltpu.data.chat_example import make_tiny_tokenizer
-    from rltpu.models.hf.tiny import write_tiny_checkpoint
-
+                          max_operand: int = 4) -> dict:
+    """Write ``train.jsonl`` and ``test.jsonl`` under ``directory``; returns their paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, n in (("train", train_rows), ("test", test_rows)):
-        rows = arithmetic_rows(n, seed, max_operand, split)
         paths[split] = out / f"{split}.jsonl"
-        paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model = out / "model"
-    make_tiny_tokenizer(model, corpus(max_operand), kind="words")
-    vocab = len(json.loads((model / "tokenizer.json").read_text())["model"]["vocab"])
-    write_tiny_checkpoint(model, "llama", with_tokenizer=False, vocab_size=vocab, hidden_size=hidden_size,
-                          intermediate_size=2 * hidden_size, num_layers=num_layers, max_position_embeddings=64,
-                          init_std=0.02, seed=seed)
-    make_tiny_tokenizer(model, corpus(max_operand), kind="words")  # save_pretrained replaced generation_config.json
-    return {"train": str(paths["train"]), "test": str(paths["test"]), "model": str(model), "vocab": vocab}
+        paths[split].write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(n, seed, max_operand, split)))
+    return {"train": str(paths["train"]), "test": str(paths["test"])}
 
 
 def main(argv: list[str] | None = None) -> int:

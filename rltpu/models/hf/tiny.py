@@ -61,7 +61,7 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
     """
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-    if tokenizer == "words" and arch != "llama":
+    if tokenizer in ("words", "arith") and arch != "llama":
         # transformers 5 loads a qwen2/qwen3/mistral directory with its family's BPE tokenizer class,
         # rebuilt from the vocabulary: whole-word ids without merges would silently vanish from prompts
         raise ValueError(f"--tokenizer words needs --arch llama (transformers loads {arch} tokenizers as BPE, "
@@ -77,7 +77,12 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
 
         from rltpu.data.chat_example import make_tiny_tokenizer
 
-        make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512, kind=tokenizer)
+        if tokenizer == "arith":  # the words of rltpu.data.arithmetic's GSM8K-format sums
+            from rltpu.data.arithmetic import corpus
+
+            make_tiny_tokenizer(out, corpus(), kind="words")
+        else:
+            make_tiny_tokenizer(out, tokenizer_corpus(), vocab_size=512, kind=tokenizer)
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         n_tok = tok.get_vocab_size(with_added_tokens=True)
         special = {"eos_token_id": tok.token_to_id("<|im_end|>"), "pad_token_id": tok.token_to_id("<|endoftext|>"),
@@ -144,8 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights' normal std (0.1 makes logits differences visible in tests; 0.02 is HF's default)")
     p.add_argument("--shard-kb", type=int, default=None, help="shard the weights (writes an index)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", choices=("bpe", "words"), default="bpe",
-                   help="bpe: a 512-id byte-level BPE; words: one id per word of the chat example (33 ids)")
+    p.add_argument("--tokenizer", choices=("bpe", "words", "arith"), default="bpe",
+                   help="bpe: a 512-id byte-level BPE; words: one id per word of the chat example (33 ids); "
+                        "arith: one id per word of rltpu.data.arithmetic's sums")
 
 
 def run(args) -> int:
