@@ -20,7 +20,7 @@ import torch
 
 from learner.fsdp import checkpoint_layers, full_state_dict, parallelize_llama
 from learner.tp import clip_grad_norm_, tp_degree
-from learner.microbatch import padding_fraction, plan_microbatches, slice_batch
+from learner.microbatch import pack_batch, packable, packed_padding, plan_microbatches, scatter_packed, slice_batch
 from learner.losses import LossScale, policy_loss, token_logprobs_entropy, truncated_is_weights, value_loss
 from learner.optim import build_optimizer
 from rltpu.chips.backend import spmd_region
@@ -35,6 +35,9 @@ class TrainerEngine:
         # data-parallel width: the ranks of a TP group share one batch shard and one loss share
         self.world = (mesh["dp"].size() if mesh.ndim == 2 else mesh.size()) if mesh is not None else 1
         self.tp = tp_degree(mesh)
+        # FSDP2 only where there is something to shard over: on a 1-rank group its all-gathers and
+        # reduce-scatters are copies of the whole model and DTensor dispatch is paid on every op
+        self.sharded = mesh is not None and (self.world > 1 or self.tp > 1)
         self.step = 0
         # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
         # identical on every rank (same seed)
@@ -64,7 +67,7 @@ class TrainerEngine:
             else:  # model.path: meta build, shard, then stream each rank's rows (no full copy)
                 with torch.device("meta"):
                     self.critic = LlamaForValue(model_cfg, vocab_size)
-            if self.mesh is not None:
+            if self.sharded:
                 self._parallelize(self.critic)
             elif self.cfg.activation_checkpointing:
                 checkpoint_layers(self.critic)
@@ -82,14 +85,14 @@ class TrainerEngine:
         if state is None:
             from rltpu.models.hf.load import build_policy
 
-            shard = (lambda m: self._parallelize(m)) if self.mesh is not None else None
+            shard = (lambda m: self._parallelize(m)) if self.sharded else None
             return build_policy(model_cfg, vocab_size, shard, self.device, prepare)
         model = LlamaForCausalLM(model_cfg, vocab_size)
         model.load_state_dict(state)
         if prepare is not None:
             prepare(model)
         model.to(self.device)
-        if self.mesh is not None:
+        if self.sharded:
             self._parallelize(model)
         elif self.cfg.activation_checkpointing:
             checkpoint_layers(model)
@@ -115,9 +118,9 @@ class TrainerEngine:
 
     # -- the update -------------------------------------------------------------------------
     def _tensors(self, batch: dict) -> dict:
-        # np.array copies: arrays from the Ray object store are read-only views
-        return {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in batch.items()
-                if isinstance(v, np.ndarray)}
+        # np.array copies read-only arrays (views into the Ray object store); packed ones are fresh
+        return {k: torch.from_numpy(v if v.flags.writeable else np.array(v)).to(self.device)
+                for k, v in batch.items() if isinstance(v, np.ndarray)}
 
     def _policy_logp(self, model, b: dict, with_entropy: bool = False):
         """Logprobs of tokens 1..L-1 (B, L-1) [and the policy's entropy there], ``logprob_chunk_tokens``
@@ -194,10 +197,14 @@ class TrainerEngine:
         and scatter the results back into the full (R, L) layout."""
         R, L = batch["tokens"].shape
         out = np.zeros((R, L), np.float32)
-        for rows, lo, hi in self._plan(batch):
+        for mb, src in self._micro_batches(batch, self._plan(batch)):
             with self._autocast():
-                vals = fn(self._tensors(slice_batch(batch, rows, lo, hi)))
-            out[rows, lo + 1:hi] = vals.float().cpu().numpy()
+                vals = fn(self._tensors(mb)).float().cpu().numpy()
+            if src is None:
+                rows, lo, hi = mb["_slice"]
+                out[rows, lo + 1:hi] = vals
+            else:
+                scatter_packed(out, vals, src)
         return out
 
     def _plan(self, batch: dict) -> list:
@@ -213,9 +220,21 @@ class TrainerEngine:
                 plan = plan_microbatches(mask, c.micro_batch_tokens, c.seq_bucket, c.length_grouping, int(n))
         return plan
 
+    def _micro_batches(self, batch: dict, plan: list):
+        """``(micro-batch, src)`` per planned micro-batch: its rows packed into lines no wider than the
+        longest (``learner.microbatch.pack_batch``; ``src`` maps slots back) where the loss allows it,
+        else its rows and used columns (``src`` None). Shape buckets only on devices that compile."""
+        if not packable(batch, self.cfg.resolved_loss_agg_mode):
+            for rows, lo, hi in plan:
+                yield slice_batch(batch, rows, lo, hi) | {"_slice": (rows, lo, hi)}, None
+            return
+        compiles = torch.device(self.device).type != "cpu"
+        for rows, _, _ in plan:
+            yield pack_batch(batch, rows, self.cfg.seq_bucket if compiles else 1, line_bucket=compiles)
+
     def _autocast(self):
         """bf16 compute without FSDP (one process); under FSDP2 its MixedPrecisionPolicy casts instead."""
-        if self.cfg.mixed_precision == "bf16" and self.mesh is None:
+        if self.cfg.mixed_precision == "bf16" and not self.sharded:
             return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -223,8 +242,7 @@ class TrainerEngine:
         """One clipped value-loss step on the critic (PPO), accumulated over the micro-batches."""
         self.critic_optimizer.zero_grad(set_to_none=True)
         sq_err = v_sum = 0.0
-        for rows, lo, hi in plan:
-            mb = slice_batch(batch, rows, lo, hi)
+        for mb, _ in self._micro_batches(batch, plan):
             b = self._tensors(mb)
             mask = b["loss_mask"][:, 1:]
             scale = LossScale(tokens=float(mb["global_tokens"]), seqs=float(mb["global_seqs"]), world=self.world)
@@ -247,13 +265,14 @@ class TrainerEngine:
             # with one epoch TIS takes it from this step's own forward (the weights have not moved yet)
             batch = dict(batch, recomputed_old=self.logprobs(batch))
         stats: dict = {}
+        micro = [mb for mb, _ in self._micro_batches(batch, plan)]  # built once, reused by every epoch
         for epoch in range(self.cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             sums = dict.fromkeys(("pg_sum", "kl_sum", "clipped", "tokens", "entropy_sum", "is_weight_sum",
                                   "is_truncated"), 0.0)
             gap = 0.0
-            for rows, lo, hi in plan:  # gradient accumulation: the shares add up to the global loss
-                out, gap_mb = self.loss(slice_batch(batch, rows, lo, hi))
+            for mb in micro:  # gradient accumulation: the shares add up to the global loss
+                out, gap_mb = self.loss(mb)
                 out.loss.backward()
                 gap += gap_mb
                 for k in sums:
@@ -267,15 +286,16 @@ class TrainerEngine:
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.step += 1
         stats.update(grad_norm=float(norm), lr=self.scheduler.get_last_lr()[0], seconds=time.perf_counter() - t0,
-                     micro_batches=len(plan), train_padding_frac=padding_fraction(plan, np.asarray(batch["attention_mask"])))
+                     micro_batches=len(plan), train_padding_frac=packed_padding(micro, batch["attention_mask"]),
+                     train_rows_computed=sum(len(mb["tokens"]) for mb in micro), threads=torch.get_num_threads())
         return stats
 
     def grads(self, batch: dict) -> dict[str, torch.Tensor]:
         """Full (unsharded) gradients of the loss on ``batch`` (trainable parameters only); for
         FSDP-vs-single-process checks."""
         self.optimizer.zero_grad(set_to_none=True)
-        for rows, lo, hi in self._plan(batch):
-            out, _ = self.loss(slice_batch(batch, rows, lo, hi))
+        for mb, _ in self._micro_batches(batch, self._plan(batch)):
+            out, _ = self.loss(mb)
             out.loss.backward()
         grads = {}
         for name, p in self.model.named_parameters():

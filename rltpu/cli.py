@@ -159,6 +159,7 @@ def _train(args, interrupts) -> int:
         cfg = load_config(args.config, args.overrides, prepare=_hub_ids(weights=True))
         if args.run_dir:
             cfg = cfg.model_copy(update={"run_dir": args.run_dir})
+        log.debug(f"rltpu: config {args.config} with {len(args.overrides)} overrides; run_dir {cfg.resolved_run_dir}")
         from rltpu.control import rundir
 
         rundir.check_fresh(cfg.resolved_run_dir, bool(args.resume), args.new_run)  # one run per directory
@@ -268,6 +269,7 @@ def cmd_plan(args) -> int:
             from rltpu.plan.microbench import load_or_run
 
             bench = load_or_run(rebench=args.rebench)
+        log.debug(f"rltpu: plan: {args.config} on {hardware or cfg.planner.hardware} figures")
         plan = make_plan(cfg, hardware, bench)
         cmp = None
         if args.against:

@@ -49,7 +49,10 @@ def test_microbatched_step_equals_one_pass():
         np.testing.assert_allclose(g2[k].numpy(), g1[k].numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
     s1, s2 = one.train_step(batch), many.train_step(batch)
     assert s2["micro_batches"] > 1 and s1["micro_batches"] == 1
-    assert s2["train_padding_frac"] < s1["train_padding_frac"]
+    # rows packed into lines (learner.microbatch.pack_batch): less padding than the rows-by-columns slice
+    mask = batch["attention_mask"]
+    assert s1["train_padding_frac"] < padding_fraction(plan_microbatches(mask, 0, seq_bucket=1), mask)
+    assert s2["train_padding_frac"] < padding_fraction(plan_microbatches(mask, 24, seq_bucket=2), mask)
     for k in ("pg_sum", "kl_sum", "tokens", "logp_gap_sum"):
         assert abs(s1[k] - s2[k]) <= 1e-4 * max(1.0, abs(s1[k])), k
     m = batch["loss_mask"] > 0  # on the tokens that are scored (padding columns are not computed)
@@ -90,3 +93,53 @@ def test_tis_with_one_epoch_needs_no_recompute_pass():
     plain.train_step(batch)
     moved = [float((p1 - p3).abs().max()) for p1, p3 in zip(own.model.parameters(), plain.model.parameters())]
     assert max(moved) > 1e-6  # the correction changes the update
+
+
+def _plain_grpo(batch: dict, temperature: float, clip: float):
+    """The GRPO loss the trainer computes, in plain PyTorch: each row alone (its real tokens only, no
+    padding, no packing, no chunking, no FSDP) through an unwrapped copy of the initial policy,
+    log-softmax at ``temperature``, the clipped ratio against the sampler's logprobs times the
+    advantage, summed over completion tokens / their count. Returns (loss, {name: grad})."""
+    from learner.microbatch import row_spans
+    from rltpu.models.torch_llama import LlamaForCausalLM, init_state_dict
+
+    model = LlamaForCausalLM(MCFG, V)
+    model.load_state_dict(init_state_dict(MCFG, V, SEED))
+    t = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items() if isinstance(v, np.ndarray)}
+    first, last = row_spans(batch["attention_mask"])
+    total = torch.zeros(())
+    for r, (a, b) in enumerate(zip(first, last)):
+        logits = model(t["tokens"][r:r + 1, a:b], t["position_ids"][r:r + 1, a:b])[0, :-1] / temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, t["tokens"][r, a + 1:b, None]).squeeze(-1)
+        ratio = torch.exp(lp - t["old_logprobs"][r, a + 1:b])
+        adv = t["advantages"][r, a + 1:b]
+        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+        total = total + (pg * t["loss_mask"][r, a + 1:b]).sum()
+    loss = total / t["loss_mask"].sum()
+    loss.backward()
+    return float(loss.detach()), {k: p.grad for k, p in model.named_parameters()}
+
+
+def test_packed_update_equals_plain_pytorch_grpo():
+    """The trainer's GRPO loss and gradients equal the plain computation (``_plain_grpo``) to 1e-5,
+    with rows packed into lines (fewer rows computed than the batch has) and FSDP2 skipped on a
+    1-rank group (the trainer of a 1-chip run): the speed-ups change no number."""
+    from test_trainer_fsdp import _spawn
+
+    batch = split_by_rank(synthetic_batch(3), 1)[0]
+    # a sampler that drew from another policy: ratios far from 1, some clipped on both sides
+    rng = np.random.default_rng(3)
+    batch["old_logprobs"] = (batch["old_logprobs"] + rng.uniform(-0.6, 0.6, batch["old_logprobs"].shape)
+                             * batch["loss_mask"]).astype(np.float32)
+    tcfg = TCFG.model_copy(update={"kl_coef": 0.0, "entropy_coef": 0.0, "ppo_epochs": 1, "clip_eps": 0.2})
+    want_loss, want = _plain_grpo(batch, TEMPERATURE, 0.2)
+    eng = TrainerEngine(MCFG, tcfg, V, SEED, TEMPERATURE)
+    micro = [mb for mb, _ in eng._micro_batches(batch, eng._plan(batch))]
+    assert sum(len(mb["tokens"]) for mb in micro) < len(batch["tokens"])  # packed: fewer lines than rows
+    assert abs(sum(float(eng.loss(mb)[0].loss) for mb in micro) - want_loss) <= 1e-5
+    one_rank = _spawn(1, batch, tcfg)[0]
+    got = {"single": eng.grads(batch), "1-rank FSDP group": one_rank["grads"]}
+    for where, grads in got.items():
+        for k, g in want.items():
+            np.testing.assert_allclose(np.asarray(grads[k]), g.numpy(), rtol=0, atol=1e-5, err_msg=f"{where}: {k}")
+    assert one_rank["sharding"][1] is None  # one rank: plain tensors, not DTensor shards

@@ -60,13 +60,18 @@ def attention_allowed(attention_mask: torch.Tensor, position_ids: torch.Tensor |
                       window: int | None = None) -> torch.Tensor:
     """[B, 1, T, T] bool: causal AND key is real, OR the diagonal (so pad rows stay finite).
 
-    With ``window`` a query also sees only keys fewer than ``window`` positions back (HF's
-    sliding window: ``q - k < window``), measured in ``position_ids``.
+    ``attention_mask`` may hold segment ids instead of 1s (several sequences packed into one row,
+    ``learner.microbatch.pack_batch``): a real query then sees only the keys of its own segment. A
+    0/1 mask is one segment, so this is the plain rule. With ``window`` a query also sees only keys
+    fewer than ``window`` positions back (HF's sliding window: ``q - k < window``), measured in
+    ``position_ids``.
     """
     T = attention_mask.shape[1]
     idx = torch.arange(T, device=attention_mask.device)
     causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
     allowed = causal[None] & attention_mask.bool()[:, None, :]  # [B, T, T]
+    q = attention_mask[:, :, None]  # packed rows: a real query's keys are its own segment's (pad queries: as before)
+    allowed = allowed & ((attention_mask[:, None, :] == q) | (q == 0))
     if window is not None:
         allowed = allowed & ((position_ids[:, :, None] - position_ids[:, None, :]) < window)
     allowed = allowed | torch.eye(T, dtype=torch.bool, device=attention_mask.device)[None]
