@@ -45,9 +45,11 @@ class Checkpoints:
                 "sampler_seed_rule": "seed * 1000003 + step * 131 + sampler_rank"}
         if self.cfg.checkpoint.hf_export:  # learner.checkpoint.save_engine: each rank writes its share of hf/
             meta["hf_export"] = True
+        t0 = time.monotonic()
         out = self._get([t.save_checkpoint.remote(str(self.dir), meta) for t in self.groups.trainers],
                         "checkpointing", "the checkpoint save")[0]
         self.last_saved = time.monotonic()
+        log.debug("rltpu: checkpoint of step %d in %s (%.2f s)", step, out, self.last_saved - t0)
         return out
 
     def _get(self, refs, phase: str, what: str):
