@@ -26,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from rltpu.models.torch_llama import head_logits
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -286,27 +285,45 @@ class LossScale:
     world: int = 1
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to this rank's share of the global aggregate ``mode``:
+LOSS_AGG_MODES: dict[str, Callable] = {}
 
-    token-mean               sum over all tokens / global token count
-    seq-mean-token-sum       per-sequence token sums, mean over sequences
-    seq-mean-token-mean      per-sequence token means, mean over sequences
-    seq-mean-token-sum-norm  sum over all tokens / (sequences x max_len)   (Dr.GRPO)
-    """
-    m = mask.float()
-    x = per_token * m
-    if mode == "token-mean":
-        out = x.sum() / max(scale.tokens, 1.0)
-    elif mode == "seq-mean-token-sum":
-        out = x.sum() / max(scale.seqs, 1.0)
-    elif mode == "seq-mean-token-mean":
-        out = (x.sum(1) / m.sum(1).clamp(min=1)).sum() / max(scale.seqs, 1.0)
-    elif mode == "seq-mean-token-sum-norm":
-        out = x.sum() / max(scale.seqs * scale.max_len, 1.0)
-    else:
+
+def register_loss_agg_mode(name: str):
+    """Decorator: ``fn(x, mask, scale) -> this rank's unscaled share`` becomes ``trainer.loss_agg_mode: <name>``;
+    ``x`` is the masked per-token loss (B, T)."""
+    def add(fn: Callable) -> Callable:
+        LOSS_AGG_MODES[name] = fn
+        return fn
+    return add
+
+
+@register_loss_agg_mode("token-mean")
+def _token_mean(x, m, scale):  # sum over all tokens / global token count
+    return x.sum() / max(scale.tokens, 1.0)
+
+
+@register_loss_agg_mode("seq-mean-token-sum")
+def _seq_mean_token_sum(x, m, scale):  # per-sequence token sums, mean over sequences
+    return x.sum() / max(scale.seqs, 1.0)
+
+
+@register_loss_agg_mode("seq-mean-token-mean")
+def _seq_mean_token_mean(x, m, scale):  # per-sequence token means, mean over sequences
+    return (x.sum(1) / m.sum(1).clamp(min=1)).sum() / max(scale.seqs, 1.0)
+
+
+@register_loss_agg_mode("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(x, m, scale):  # sum over all tokens / (sequences x max_len)   (Dr.GRPO)
+    return x.sum() / max(scale.seqs * scale.max_len, 1.0)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to this rank's share of the global aggregate ``mode``
+    (a name in ``LOSS_AGG_MODES``); the share times ``world`` cancels FSDP's gradient averaging."""
+    if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
-    return out * scale.world
+    m = mask.float()
+    return LOSS_AGG_MODES[mode](per_token * m, m, scale) * scale.world
 
 
 @dataclass

@@ -570,9 +570,9 @@ class TrainerConfig(_Section):
     # algorithm: a name registered in learner.losses.ESTIMATORS (grpo, drgrpo, rloo, reinforce_pp,
     # reinforce_pp_baseline, ppo, or your own); an unknown one fails before Ray starts (check_algorithm)
     algorithm: str = Field("grpo", min_length=1)
-    # None: "seq-mean-token-sum-norm" for drgrpo, "token-mean" otherwise
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] | None = None
+    # a name in learner.losses.LOSS_AGG_MODES (token-mean, seq-mean-token-sum, seq-mean-token-mean,
+    # seq-mean-token-sum-norm, or your own); None: seq-mean-token-sum-norm for drgrpo, token-mean otherwise
+    loss_agg_mode: str | None = Field(None, min_length=1)
     clip_eps_high: float | None = Field(None, gt=0)  # DAPO clip-higher (e.g. 0.28); None = clip_eps
     dual_clip_c: float | None = Field(None, gt=1)  # cap a negative-advantage token's loss at -c*A
     # KL estimator against the reference: k1 log-ratio, k2 squared, k3 low-variance

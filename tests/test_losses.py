@@ -239,6 +239,8 @@ def test_algorithm_config_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="trainer.algorithm: unknown advantage estimator 'ppo2'; allowed: grpo"):
         check_algorithm(load_config(cfg, ["trainer.algorithm=ppo2"]))
+    with pytest.raises(ConfigError, match="trainer.loss_agg_mode: unknown 'sum'; allowed: token-mean"):
+        check_algorithm(load_config(cfg, ["trainer.loss_agg_mode=sum"]))
     assert load_config(cfg, ["trainer.algorithm=drgrpo"]).trainer.resolved_loss_agg_mode == "seq-mean-token-sum-norm"
     assert load_config(cfg, ["trainer.algorithm=rloo"]).trainer.resolved_loss_agg_mode == "token-mean"
 

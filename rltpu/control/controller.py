@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from learner.losses import get_estimator, kl_estimate
+from learner.losses import LOSS_AGG_MODES, get_estimator, kl_estimate
 from learner.reward_model import combine_rewards
 from rltpu.chips.topology import Role
 from rltpu.config import ConfigError, RunConfig, save_config
@@ -131,8 +131,9 @@ def fabric_warning(host: str, port: int) -> str | None:
 
 
 def check_algorithm(cfg: RunConfig) -> None:
-    """``trainer.algorithm`` against the estimator registry (``learner.losses.ESTIMATORS``): one
-    line naming the registered ones, and a critic section exactly when the estimator needs one."""
+    """``trainer.algorithm`` and ``trainer.loss_agg_mode`` against their registries in
+    ``learner.losses`` (one line naming the registered ones); a critic section when the estimator
+    needs one."""
     try:
         est = get_estimator(cfg.trainer.algorithm)
     except ValueError as err:
@@ -140,6 +141,9 @@ def check_algorithm(cfg: RunConfig) -> None:
     if est.critic and cfg.critic is None:
         raise ConfigError(f"trainer.algorithm={est.name} needs a value model: add a 'critic:' section "
                           f"(e.g. critic: {{lr: 1e-3}}) or pick a critic-free algorithm")
+    mode = cfg.trainer.resolved_loss_agg_mode
+    if mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"trainer.loss_agg_mode: unknown {mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
 
 
 class Controller:
