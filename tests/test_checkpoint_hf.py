@@ -55,9 +55,10 @@ def test_default_cadence_is_every_10_steps_or_30_minutes():
     c = _cadence()
     start = c.last_saved
     assert [s for s in range(1, 31) if c.due(s, now=start)] == [10, 20, 30]
-    assert c.due(7, now=start + 30 * 60) and not c.due(7, now=start + 29 * 60)
+    assert c.due(7, now=start + 30 * 60 + 0.01) and not c.due(7, now=start + 29.9 * 60)
     minutes_only = _cadence(every_steps=0, every_minutes=0.5)
-    assert not minutes_only.due(10, now=minutes_only.last_saved + 29) and minutes_only.due(3, now=minutes_only.last_saved + 30)
+    t = minutes_only.last_saved
+    assert not minutes_only.due(10, now=t + 29.9) and minutes_only.due(3, now=t + 30.01)
     off = _cadence(every_steps=0, every_minutes=0)
     assert not any(off.due(s, now=off.last_saved + 1e6) for s in range(1, 50))
 
