@@ -5,8 +5,8 @@
 runs at once in the caller's thread and its ref holds the result or the error. ``FakeActors``
 is the actor group (``FakePlacement`` hands it to the controller): trainers that keep a small
 weight vector and write real checkpoints, samplers over ``rltpu.sampling.fake.FakeBackend``,
-weights passed through a shared dict; reward workers, the health monitor and the heartbeats are
-the real classes, in-process. ``fail(key, at)`` kills an actor when ``at`` is next called on it,
+weights passed through a shared dict; reward workers (keyed ``reward-worker-<slot>``), the health
+monitor and the heartbeats are the real classes, in-process. ``fail(key, at)`` kills an actor when ``at`` is next called on it,
 ``hang(key, at)`` leaves that call unanswered with its heartbeat stuck in the phase, so the real
 watchdog fences it.
 """
@@ -107,19 +107,26 @@ class FakeRay:
 
     exceptions = SimpleNamespace(GetTimeoutError=GetTimeoutError, RayActorError=ActorDied)
 
-    def __init__(self):
+    def __init__(self, on_spawn=None):
+        """``on_spawn(handle)``: told of every actor ``remote(cls)`` starts (the reward workers)."""
         self.killed: list[str] = []
+        self.on_spawn = on_spawn
 
     def is_initialized(self) -> bool:
         return True
 
     def remote(self, cls):
+        ray = self
+
         class _Class:
             def options(self, **_kw):
                 return self
 
             def remote(self, *args, **kwargs):
-                return FakeHandle(cls(*args, **kwargs), key=cls.__name__)
+                handle = FakeHandle(cls(*args, **kwargs), key=cls.__name__)
+                if ray.on_spawn is not None:
+                    ray.on_spawn(handle)
+                return handle
 
         return _Class()
 
@@ -324,7 +331,7 @@ class FakeActors:
     """The chip-owning actor group of one run: handles by key (``trainer-0``, ``sampler-1``)."""
 
     def __init__(self, max_new_tokens: int):
-        self.ray = FakeRay()
+        self.ray = FakeRay(on_spawn=self._spawned_by_a_pool)
         self.max_new_tokens = max_new_tokens
         self.handles: dict[str, FakeHandle] = {}
         self.fabric: dict[int, dict] = {}  # version -> the trainers' pushed weights
@@ -341,6 +348,13 @@ class FakeActors:
             h.fail_at[self.doomed[key]] = 0
         self.spawned.append(key)
         return h
+
+    def _spawned_by_a_pool(self, handle: FakeHandle) -> None:
+        """Reward workers (the real class, in process) are keyed ``reward-worker-<slot>``, newest first."""
+        if handle._key == "RewardWorker":
+            handle._key = key = f"reward-worker-{handle._obj.rank}"
+            self.handles[key] = handle
+            self.spawned.append(key)
 
     def live_trainers(self):
         return sorted((int(k.split("-")[1]), h._obj) for k, h in self.handles.items() if k.startswith("trainer-"))

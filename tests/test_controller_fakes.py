@@ -87,7 +87,7 @@ def test_colocated_step_passes_weights_in_process(tmp_path):
     assert not actors.fabric  # nothing crossed a sync fabric
     assert not [c for c in actors.calls if c[0] == "join_sync"]
     assert records[-1]["sync_probe_max_diff"] == 0.0 and records[-1]["mode"] == "colocated"
-    assert sorted(actors.handles) == ["trainer-0", "trainer-1"]  # one process per chip runs both engines
+    assert [k for k in sorted(actors.handles) if not k.startswith("reward-worker")] == ["trainer-0", "trainer-1"]
 
 
 def test_async_step_trains_rollouts_at_most_staleness_versions_old(tmp_path):
@@ -222,3 +222,11 @@ def test_ppo_asks_the_trainers_for_the_critics_values(tmp_path):
     rewards = torch.tensor([next(iter(s)) for s in per_row])
     adv, ret = gae(outcome_token_rewards(rewards, m), torch.zeros_like(m), m, 1.0, ctl.cfg.critic.gae_lambda)
     np.testing.assert_allclose(b["advantages"], whiten(adv, m).numpy(), atol=1e-5)
+
+
+def test_a_reward_worker_that_dies_mid_step_is_replaced_by_its_pool(tmp_path):
+    ctl, actors, records = run(make_cfg(tmp_path), lambda a, c: a.fail("reward-worker-0", "score", after=1))
+    assert [r["step"] for r in records] == [1, 2]
+    assert actors.spawned.count("reward-worker-0") == 2 and actors.spawned.count("reward-worker-1") == 1
+    assert [r["reward_workers_replaced"] for r in records] == [1, 0]  # its 2nd chunk: step 1's 2nd shard
+    assert records[-1]["reward_errors"] == 0  # the chunk went to the new worker, nothing was lost
