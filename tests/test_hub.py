@@ -159,6 +159,7 @@ def test_local_paths_win_over_ids_and_csv_globs_directories_load(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert not is_hub_id("org/name") and is_hub_id("org/other") and not is_hub_id("a/b/c")
+    assert is_hub_id("org/held.jsonl") and not is_hub_id("org/held.jsonl", "dataset")  # a (missing) file
     data = {"model": {"path": "org/name"}, "task": {"dataset": "rows.csv"}}
     assert resolve_ids(data, log=lambda line: None) == {"model": {"path": "org/name"}, "task": {"dataset": "rows.csv"}}
     (tmp_path / "rows.csv").write_text("question,answer\nwhat is 1+1?,#### 2\n\"a, b?\",#### 3\n")

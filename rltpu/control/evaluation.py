@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -60,6 +61,9 @@ class Evaluator:
         """``episodes`` (an ``env:`` run): the samplers' inputs are the examples themselves (the
         environment's ``reset`` writes each first prompt) and a row's score is its episode return."""
         self.cfg = cfg
+        if not any(c in cfg.dataset for c in "*?[") and not Path(cfg.dataset).exists():
+            raise DatasetError(f"eval.dataset {cfg.dataset!r} does not exist; point it at a held-out file, directory "
+                               f"or Hub id (rltpu train resolves ids) or remove the eval section")
         try:
             # a file, glob, directory or Hub snapshot (eval.subset / eval.split), formatted like the task's prompts
             data = PromptDataset.from_config(cfg, seed, tokenizer, shuffle=False)

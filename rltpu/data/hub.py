@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from rltpu.config import HUB_ID, ConfigError
+from rltpu.config import DATASET_SUFFIXES, HUB_ID, ConfigError
 
 # what a model snapshot needs: config, safetensors (+ index), tokenizer files, chat templates. Not *.bin,
 # *.pth, ONNX or GGUF copies, which many repos ship beside the safetensors
@@ -30,8 +30,11 @@ MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tikt
 PLAN_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")  # rltpu plan / doctor: sizes, tokenizer
 
 
-def is_hub_id(value) -> bool:
-    """``org/name`` that is not a local path (a local file or directory of that name wins)."""
+def is_hub_id(value, repo_type: str = "model") -> bool:
+    """``org/name`` that is not a local path (a local file or directory of that name wins); a dataset
+    name ending in a file suffix (``data/train.jsonl``) is a file, missing or not."""
+    if repo_type == "dataset" and isinstance(value, str) and value.lower().endswith(DATASET_SUFFIXES):
+        return False
     return isinstance(value, str) and bool(HUB_ID.fullmatch(value)) and ".." not in value \
         and "--" not in value and not Path(value).exists()
 
@@ -92,7 +95,7 @@ def resolve_ids(data: dict, weights: bool = True, log: Callable[[str], None] = _
               *([("task", "dataset", "dataset", None), ("eval", "dataset", "dataset", None)] if weights else [])]
     for section, field, repo_type, patterns in places:
         node = data.get(section)
-        if not isinstance(node, dict) or not is_hub_id(node.get(field)):
+        if not isinstance(node, dict) or not is_hub_id(node.get(field), repo_type):
             continue
         revision = node.get("revision") if field != "tokenizer" else None
         if revision is not None and not isinstance(revision, str):
