@@ -29,11 +29,16 @@ SYSTEM_PROMPT = "Answer with #### and the number ."  # words the tokenizer knows
 
 
 def arithmetic_rows(n: int, seed: int = 0, max_operand: int = 9, split: str = "train") -> list[dict]:
-    """``n`` GSM8K-format rows ``a + b`` with a, b in 0..max_operand, drawn from ``(seed, split)``."""
+    """``n`` GSM8K-format rows ``a + b`` with a, b in 0..max_operand, drawn from ``(seed, split)``.
+
+    The sum is drawn uniformly, then a split of it: with uniform operands the rare sums (0, 1, 2m-1,
+    2m) are a few rows in 25, and a policy collapsed onto the common answers before it tried them."""
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     rows = []
     for i in range(n):
-        a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
+        total = int(rng.integers(0, 2 * max_operand + 1))
+        a = int(rng.integers(max(0, total - max_operand), min(total, max_operand) + 1))
+        b = total - a
         rows.append({"id": f"{split}-{i}", "question": f"{a} + {b} = ?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
     return rows
 
