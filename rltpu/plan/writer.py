@@ -55,7 +55,7 @@ def write_config(plan: Plan, path: Path) -> None:
     data = placed_config(plan)
     c = plan.best_runnable
     head = (f"# written by `rltpu plan` ({plan.hw.name}{', emulated' if plan.hw.emulated else ''}): {c.name}\n"
-            f"# predicted step {c.phases.step:.4g} s (sample {c.phases.sample:.4g}, train {c.phases.train:.4g}, "
-            f"sync {c.phases.sync:.4g})\n")
+            f"# predicted {c.phases.tokens_per_s_per_chip:,.4g} tokens/s/chip: step {c.phases.step:.4g} s (sample "
+            f"{c.phases.sample:.4g}, train {c.phases.train:.4g}, sync {c.phases.sync:.4g})\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + yaml.safe_dump(data, sort_keys=False))
