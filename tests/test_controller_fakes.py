@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from rltpu.config import build_config
-from rltpu.control.batch import train_layout
 from rltpu.control.controller import Controller
 from rltpu.observe.health import HealthError
 from tests.fakes import FakeActors, FakePlacement

@@ -41,7 +41,6 @@ import torch
 
 from learner.losses import LOSS_AGG_MODES, get_estimator, kl_estimate
 from learner.reward_model import combine_rewards
-from rltpu.chips.topology import Role
 from rltpu.config import ConfigError, RunConfig, save_config
 from rltpu.control.batch import (build_train_batch, fill_dynamic_batch, keep_informative_groups, merge_generations,
                                  split_by_rank, split_prompts, train_layout)
