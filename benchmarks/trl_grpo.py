@@ -1,7 +1,7 @@
 """TRL's ``GRPOTrainer`` beside ``rltpu train`` at equal work, on the same checkpoints, in one run.
 
     .venv/bin/python benchmarks/trl_grpo.py [--workloads 0.8M:8x32,0.8M:128x64,25M:32x64] [--steps 6]
-                                            [--out benchmarks/results/trl_grpo-<date>.json]
+                                            [--trl-threads N] [--out FILE]
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: TRL 1.16). Everything is built here, offline:
 the random Qwen2-shaped checkpoints of ``benchmarks/sampler.py --vs-vllm`` (``VS_MODELS``: 0.8M and 25M
@@ -26,7 +26,7 @@ GRPO with the same settings: KL coefficient 0 (no reference model), one update p
 
 Step figures are medians over steps 2..N. The load average is recorded before and after each system
 (the machine may be shared: compare runs only at similar load). Prints one JSON document and writes
-it to ``--out``.
+it to ``--out`` (default ``benchmarks/results/single/trl_grpo-<machine>-<date>.json``).
 """
 
 from __future__ import annotations
@@ -229,14 +229,6 @@ def workload(spec: str) -> tuple[str, int, int]:
     return name, int(rows), int(tokens)
 
 
-def git_state() -> dict:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
-
-    return {"commit": git("rev-parse", "HEAD").strip(),
-            "dirty_files": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=WORKLOADS)
@@ -253,17 +245,21 @@ def main() -> int:
     args = ap.parse_args()
     if args.trl_child:
         return trl_child(args)
+    import datetime as dt
+
     import torch
     import transformers
     import trl
+
+    from all import commit_info, machine, machine_slug
 
     systems = args.systems.split(",")
     work = Path(tempfile.mkdtemp(prefix="rltpu-trl-bench-"))
     tokdir = write_tokenizer(work / "tokenizer")
     dataset = write_dataset(work / "copy.jsonl")
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "trl": trl.__version__, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "affinity": len(os.sched_getaffinity(0)), **git_state(), "loadavg_start": list(os.getloadavg())}
+           "trl": trl.__version__, "trl_threads": args.trl_threads or "torch default (one per core)",
+           "affinity": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg())}
     ckpts, results = {}, {}
     t_start = time.perf_counter()
     for spec in args.workloads.split(","):
@@ -305,14 +301,24 @@ def main() -> int:
                              "first_step_over_trl": round(rl["first_step_s"] / tr["first_step_s"], 3)}
         results[spec] = res
     env["loadavg_end"] = list(os.getloadavg())
+    table = ["| workload | TRL step (generation + update) | rltpu step | rltpu sample / train | "
+             "time to first step TRL / rltpu |", "|---|---|---|---|---|"]
+    for res in results.values():
+        tr, rl = res.get("trl", {}), res.get("rltpu", {})
+        table.append(f"| {res['model']}, {res['rows']} rows x {res['max_new_tokens']} tokens | {tr.get('step_s')} s | "
+                     f"{rl.get('step_s')} s | {rl.get('sample_s')} / {rl.get('train_s')} s | "
+                     f"{tr.get('first_step_s')} s / {rl.get('first_step_s')} s |")
+    m = machine()
     doc = {"benchmark": "TRL GRPOTrainer vs rltpu train (1 sampler + 1 trainer chip), equal work",
+           "machine": m, "date": dt.date.today().isoformat(), **commit_info(),
            "command": " ".join([".venv/bin/python", "benchmarks/trl_grpo.py", *sys.argv[1:]]),
-           "steps": args.steps, "env": env, "workloads": results,
+           "steps": args.steps, "env": env, "workloads": results, "table": table,
            "elapsed_s": round(time.perf_counter() - t_start, 1)}
     text = json.dumps(doc, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    out = Path(args.out) if args.out else REPO / "benchmarks/results/single" / f"trl_grpo-{machine_slug(m)}-{doc['date']}.json"
+    out.write_text(text + "\n")
     print(text)
+    print("\n".join(table), file=sys.stderr)
     return 0
 
 
