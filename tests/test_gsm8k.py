@@ -56,8 +56,8 @@ def test_gsm8k_recipe_end_to_end_from_a_hub_cache(tmp_path, shared_ray_head):
            "eval.dataset=tiny-org/gsm8k-like", f"task.rewards={rewards}", "task.reward_workers=1",
            # the tiny size: 1 sampler + 1 trainer on 4 emulated chips, short rows (the tiny BPE splits words finely)
            "cluster.topology=2x2", "placement.sampler_chips=1", "placement.trainer_chips=1", "trainer.steps=2",
-           "trainer.prompts_per_step=4", "sampler.group_size=4", "sampler.max_new_tokens=24",
-           "sampler.prompt_buckets=[224]", "sampler.batch_buckets=[16]", "sampler.slots=16",
+           "trainer.prompts_per_step=4", "sampler.group_size=4", "sampler.max_new_tokens=16",
+           "sampler.prompt_buckets=[240]", "sampler.batch_buckets=[16]", "sampler.slots=16",
            "trainer.micro_batch_tokens=0", "eval.every_steps=1", "eval.max_prompts=4",
            "--address", shared_ray_head]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(HF_HOME=str(home), HF_HUB_OFFLINE="1",
