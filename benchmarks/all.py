@@ -236,7 +236,8 @@ def latest_results(committed: bool = False) -> Path | None:
             names = list(RESULTS.glob("*.json"))
     else:
         names = list(RESULTS.glob("*.json"))
-    names = [p for p in names if FILE_RE.match(p.name) and p.is_file()]
+    # only the top level: benchmarks/results/single/ holds one benchmark's own files, not all.py's
+    names = [p for p in names if p.parent == RESULTS and FILE_RE.match(p.name) and p.is_file()]
     if not names:
         return None
 
@@ -396,7 +397,7 @@ def block_plan(doc: dict, path: Path) -> str:
             f"{mb.get('load_avg_1m', float('nan')):.1f} when it started), RUN being {run}; medians of steps "
             f"2–{res['steps']}. These errors are measured, not tested: `tests/test_plan.py` checks "
             f"|error| ≤ 50% for sample, train and sync against a 20-step run (a cost-model bound: the same "
-            f"code timed minutes apart on this shared VM drifts by up to ~30%).")
+            f"code timed minutes apart on this shared VM drifts by up to 30%).")
     out = [head, "", "| phase | predicted | measured | error |", "|---|---|---|---|"]
     for name in ("sample", "train", "sync", "step"):
         r = ph[name]

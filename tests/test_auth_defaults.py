@@ -49,7 +49,7 @@ def test_only_the_test_target_disables_auth():
     db = subprocess.run(["make", "-pn", "demo"], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=60).stdout
     assigned = [ln for ln in db.splitlines() if "RAY_AUTH_MODE" in ln and not ln.startswith("#")]
-    assert assigned == ["test: RAY_AUTH_MODE := disabled"], assigned
+    assert assigned and set(assigned) == {"test: RAY_AUTH_MODE := disabled"}, assigned  # make -p may list it twice
 
 
 def test_benchmark_drivers_do_not_turn_auth_off():
