@@ -245,14 +245,14 @@ def test_mlflow_sqlite_store(tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")] == [(2, 0.625)]
 
 
-def _wandb_history(path) -> list[dict]:
-    """The history rows of an offline ``run-*.wandb`` file: W&B's record log (a 7-byte file header,
-    32 KiB blocks of records with a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
+def wandb_records(path) -> list:
+    """Every record of an offline ``run-*.wandb`` file: W&B's record log (a 7-byte file header, 32 KiB
+    blocks of records with a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data, pos, buf, rows = Path(path).read_bytes(), 7, b"", []
+    data, pos, buf, out = Path(path).read_bytes(), 7, b"", []
     assert data[:4] == b":W&B", data[:7]
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
@@ -265,10 +265,19 @@ def _wandb_history(path) -> list[dict]:
         if kind in (1, 4):
             rec = wandb_internal_pb2.Record()
             rec.ParseFromString(buf)
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+            out.append(rec)
             buf = b""
-    return rows
+    return out
+
+
+def wandb_history(records: list) -> list[dict]:
+    """The history rows among ``records``, by metric name."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def _wandb_history(path) -> list[dict]:
+    return wandb_history(wandb_records(path))
 
 
 def test_wandb_offline(tmp_path, monkeypatch):

@@ -5,11 +5,11 @@ run; the trackers see grouped names (reward/mean, timing/...) while metrics.json
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from rltpu.config import load_config
 from rltpu.observe.loggers import build_loggers, group_key, mlflow_settings, wandb_settings
+from test_health import wandb_history, wandb_records
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -54,36 +54,12 @@ def test_wandb_settings_config_over_env_over_defaults(tmp_path):
     assert (got["mode"], got["project"], got["tags"], got["name"]) == ("disabled", "p-cfg", ["x"], "n-cfg")
 
 
-def _wandb_records(path: Path) -> list:
-    """Every record of an offline ``run-*.wandb`` file (W&B's log: a 7-byte file header, 32 KiB blocks of
-    records, each with a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, pos, buf, out = path.read_bytes(), 7, b"", []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:
-            pos += 32768 - pos % 32768
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
-        buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(buf)
-            out.append(rec)
-            buf = b""
-    return out
-
-
 def _wandb_run(run_dir: Path, i: int):
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     (file,) = runs[i].glob("run-*.wandb")
-    recs = _wandb_records(file)
+    recs = wandb_records(file)
     (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
-    rows = [{it.key or "/".join(it.nested_key): json.loads(it.value_json) for it in r.history.item}
-            for r in recs if r.WhichOneof("record_type") == "history"]
-    return run, rows
+    return run, wandb_history(recs)
 
 
 def test_wandb_offline_gets_the_settings_and_a_resume_continues_the_run(tmp_path, monkeypatch):
