@@ -20,6 +20,10 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 
+
+# a function named as module:function (task.reward_fn, task.rewards[].fn, environment paths)
+FN_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
 class ConfigError(ValueError):
     """A user error in the config or the command line: one line, names the key and the fix."""
 
@@ -303,7 +307,7 @@ class RewardTerm(_Section):
     @field_validator("fn")
     @classmethod
     def _path(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+        if not FN_PATH.fullmatch(v):
             raise ValueError(f"fn must be 'module:function', got {v!r}")
         return v
 
@@ -360,7 +364,7 @@ class TaskConfig(_Section):
     def _range(self) -> "TaskConfig":
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits={self.min_digits} > max_digits={self.max_digits}")
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.reward_fn):
+        if not FN_PATH.fullmatch(self.reward_fn):
             raise ValueError(f"reward_fn must be 'module:function', got {self.reward_fn!r}")
         if self.dataset is not None:
             check_dataset_name(self.dataset)
@@ -399,7 +403,7 @@ class EnvConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EnvConfig":
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.path):
+        if not FN_PATH.fullmatch(self.path):
             raise ValueError(f"path must be 'module:Class', got {self.path!r}")
         return self
 
