@@ -19,10 +19,9 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
                       model_validator)
 
-
-
 # a function named as module:function (task.reward_fn, task.rewards[].fn, environment paths)
 FN_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
 
 class ConfigError(ValueError):
     """A user error in the config or the command line: one line, names the key and the fix."""
