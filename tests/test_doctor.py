@@ -97,3 +97,11 @@ def test_doctor_passes_on_this_machines_emulated_chips(tmp_path):
         assert want in names, (want, lines)
     assert all(ln.startswith("ok   ") for ln in lines), lines
     assert "(emulated)" in lines[0] and "load() ran" in res.stdout
+
+
+def test_a_child_that_timed_out_is_not_called_a_missing_package():
+    slow = {"error": "timed out after 120 s", "timed_out": True}
+    for check in (doctor.judge_torch_tpu(slow, True), doctor.judge_jax(slow, True, 1)):
+        assert not check.ok and "busy" in check.fix and "install" not in check.fix, check
+    missing = doctor.judge_torch_tpu({"error": "exit 1: No module named 'torch_tpu'"}, True)
+    assert "pip install" in missing.fix

@@ -85,10 +85,15 @@ def judge_trainer_group(cfg, emulated: bool) -> Check:
                  "set placement.trainer_chips to a size TorchTPU runs (docs/tpu.md)")
 
 
+# a child that did not finish is not a missing package: the host is busy, or the import hangs
+SLOW_CHILD = "rerun when the host is less busy; if it hangs again, run the import by hand to see where it stops"
+
+
 def judge_torch_tpu(report: dict, emulated: bool) -> Check:
     """The child that loaded TorchTPU with a trainer's env: its loader ran, and it saw the chip (real)."""
     if report.get("error"):
-        return Check("torch_tpu", False, report["error"], "pip install 'rltpu[tpu]' (torch-tpu 0.2.x for torch 2.13)")
+        return Check("torch_tpu", False, report["error"], SLOW_CHILD if report.get("timed_out") else
+                     "pip install 'rltpu[tpu]' (torch-tpu 0.2.x for torch 2.13)")
     if not report.get("load_called"):
         return Check("torch_tpu", False, "TorchTPU's load() never ran (TORCH_DEVICE_BACKEND_AUTOLOAD=0 and nothing "
                      "called it): the tpu device and process-group backends are not registered",
@@ -105,7 +110,8 @@ def judge_torch_tpu(report: dict, emulated: bool) -> Check:
 def judge_jax(report: dict, emulated: bool, want: int) -> Check:
     """The child that started JAX with a sampler's env sees the devices the sampler should."""
     if report.get("error"):
-        return Check("jax", False, report["error"], "make tpu-libtpu, and check JAX_PLATFORMS")
+        return Check("jax", False, report["error"], SLOW_CHILD if report.get("timed_out") else
+                     "make tpu-libtpu, and check JAX_PLATFORMS")
     got, plat = report.get("devices", 0), report.get("platform")
     want_plat = "cpu" if emulated else "tpu"
     ok = got == want and plat == want_plat
@@ -186,12 +192,12 @@ def probe_trainer_chip(cfg) -> str | None:
     return rep.get("error") or rep.get("probe")
 
 
-def _child(code: str, env: dict, timeout: float = 60) -> dict:
+def _child(code: str, env: dict, timeout: float = 120) -> dict:
     try:
         res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                              cwd=str(Path(__file__).resolve().parents[2]))
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+        return {"error": f"timed out after {timeout:.0f} s", "timed_out": True}
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT=")]
     if not line:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
