@@ -16,13 +16,17 @@ setup: $(VENV)/.installed
 # torch==2.13.0 is pinned in pyproject.toml, so no unpinned (multi-GB CUDA) build is pulled. pip is upgraded
 # first: the venv's bundled pip (23.x) ignores this machine's file:// extra indexes, with a warning per package.
 # loggers: the TensorBoard/W&B/MLflow tests run in CI; tpu: TorchTPU + libtpu import on CPU (no device) and
-# tests compare its launch env. Bytecode is compiled here, at install: this machine (and CI) sets
+# tests compare its launch env. vllm: vLLM's CPU build (sampler.backend: vllm); the torchvision, torchaudio and
+# torchcodec it pulls fail to load against torch 2.13.0+cpu (torchvision::nms missing, .so load errors) and
+# transformers imports torchvision when it is installed, so they are uninstalled (vLLM's text models need none).
+# Bytecode is compiled here, at install: this machine (and CI) sets
 # PYTHONDONTWRITEBYTECODE=1, so with `--no-compile` every process compiled torch & co. from source at each
 # import (tried: the parallel part reached 35% in 19 min instead of 97% in 18).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,hf,data,math,loggers,tpu]'
+	$(PY) -m pip install --quiet -e '.[test,hf,data,math,loggers,tpu,vllm]'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(MAKE) tpu-libtpu
 	touch $@
 
