@@ -26,9 +26,10 @@ class _ColocatedHeartbeat(Heartbeat):
 
 class ColocatedActor(TrainerRank):
     ROLES = {"colocated": True, "engines": ["trainer", "sampler"]}  # marks its claim and reports
+    SECTIONS = TrainerRank.SECTIONS + ("sampler",)
 
-    def __init__(self, rank: int, cfg_dict: dict):
-        super().__init__(rank, cfg_dict)  # ProcessRuntime("trainer", rank, ...): reports as trainer-<rank>
+    def __init__(self, rank: int, sections: dict):
+        super().__init__(rank, sections)  # ProcessRuntime("trainer", rank, ...): reports as trainer-<rank>
         self.rt.decision_role = "colocated"  # refused on real chips: TorchTPU and JAX cannot share one chip
         self.sampler = None
         self.spec = None

@@ -13,14 +13,19 @@ import os
 
 
 class EnvWorker:
-    def __init__(self, rank: int, cfg_dict: dict):
-        from rltpu.config import RunConfig
+    # what this process reads of the run config (``rltpu.config.sections_of``): the tokenizer is
+    # ``build_tokenizer``'s (task.tokenizer, else model.path, else the task's characters)
+    SECTIONS = ("env", "task", "model.path", "sampler.prompt_buckets", "health.deadlines.sampling",
+                "health.heartbeat_timeout_s")
+
+    def __init__(self, rank: int, sections: dict):
+        from rltpu.config import Sections
         from rltpu.data.sources import build_tokenizer
         from rltpu.data.envs.base import Renderer, load_env_class
         from rltpu.data.envs.episodes import deadline_call
 
         self.rank = rank
-        self.cfg = cfg = RunConfig.model_validate(cfg_dict)
+        self.cfg = cfg = Sections.read(sections, "EnvWorker.SECTIONS")
         self.cls = load_env_class(cfg.env.path)
         self.renderer = Renderer(build_tokenizer(cfg), getattr(self.cls, "observation_role", "tool"))
         self.call = deadline_call(cfg.task.reward_timeout_s, cfg.task.reward_concurrency)

@@ -7,10 +7,13 @@ from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
 class RewardActor:
-    def __init__(self, rank: int, cfg_dict: dict):
-        from rltpu.config import RunConfig
+    # what this process reads of the run config (``rltpu.config.sections_of``); nothing else is sent
+    SECTIONS = ("cluster.generation", "backend", "reward_model")
 
-        self.cfg = RunConfig.model_validate(cfg_dict)
+    def __init__(self, rank: int, sections: dict):
+        from rltpu.config import Sections
+
+        self.cfg = Sections.read(sections, "RewardActor.SECTIONS")
         self.rt = ProcessRuntime("reward", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
         self.hb = Heartbeat("reward", rank)

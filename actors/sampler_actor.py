@@ -8,10 +8,14 @@ from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
 class SamplerActor:
-    def __init__(self, rank: int, cfg_dict: dict):
-        from rltpu.config import RunConfig
+    # what this process reads of the run config (``rltpu.config.sections_of``); nothing else is sent
+    SECTIONS = ("cluster.generation", "backend", "model", "sampler", "trainer.lora", "sync",
+                "placement.chips_per_trainer")
 
-        self.cfg = RunConfig.model_validate(cfg_dict)
+    def __init__(self, rank: int, sections: dict):
+        from rltpu.config import Sections
+
+        self.cfg = Sections.read(sections, "SamplerActor.SECTIONS")
         self.rt = ProcessRuntime("sampler", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
         self.spec = None

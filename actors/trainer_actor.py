@@ -13,10 +13,14 @@ from rltpu.sync.stores import free_port
 
 
 class TrainerRank:
-    def __init__(self, rank: int, cfg_dict: dict):
-        from rltpu.config import RunConfig
+    # what this process reads of the run config (``rltpu.config.sections_of``); nothing else is sent
+    SECTIONS = ("cluster.generation", "backend", "model", "trainer", "critic", "seed", "sampler.temperature",
+                "checkpoint.keep_last")
 
-        self.cfg = RunConfig.model_validate(cfg_dict)
+    def __init__(self, rank: int, sections: dict):
+        from rltpu.config import Sections
+
+        self.cfg = Sections.read(sections, f"{type(self).__name__}.SECTIONS")
         self.rt = ProcessRuntime("trainer", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
         self.hb = Heartbeat("trainer", rank, lambda: {"step": self.engine.step, "version": self.engine.step})
@@ -95,6 +99,8 @@ class TrainerRank:
 
 class TrainerActor(TrainerRank):
     """A trainer rank that sends its shards to the samplers over the sync fabric."""
+
+    SECTIONS = TrainerRank.SECTIONS + ("sync",)
 
     def join_sync(self, *args) -> dict:
         with self.hb.phase("join_sync"):

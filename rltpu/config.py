@@ -1100,6 +1100,65 @@ def save_config(cfg: RunConfig, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# What one process is sent: the parts of the config it reads, never the whole tree
+
+
+def sections_of(cfg: RunConfig, paths: tuple[str, ...]) -> dict[str, Any]:
+    """The parts of ``cfg`` at ``paths`` (``"sampler"``, ``"trainer.lora"``) as JSON data: what an actor's
+    constructor is sent (Ray carries plain data as msgpack, never pickle). A path under another listed
+    path travels inside it."""
+    full, out = cfg.to_dict(), {}
+    for path in paths:
+        if any(path.startswith(f"{other}.") for other in paths):
+            continue
+        node = full
+        for key in path.split("."):
+            node = node[key]
+        out[path] = node
+    return out
+
+
+class Sections:
+    """Parts of a run config, shaped like it (``cfg.sampler.temperature``) and holding only the parts a
+    process was sent; reading another part names the list that leaves it out (``owner``)."""
+
+    def __init__(self, parts: dict[str, Any], owner: str, prefix: str = ""):
+        self._parts, self._owner, self._prefix = parts, owner, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._parts[name]
+        except KeyError:
+            raise AttributeError(f"config {self._prefix}{name} is not sent to this process; "
+                                 f"add it to {self._owner}") from None
+
+    @classmethod
+    def read(cls, data: dict[str, Any], owner: str) -> "Sections":
+        """``sections_of``'s output, each part rebuilt as its schema type (sections as their models,
+        tuples as tuples); the checks across sections ran once, in the driver."""
+        from pydantic import TypeAdapter
+
+        class Node(dict):  # a section only partly sent (a leaf value may itself be a dict)
+            pass
+
+        tree = Node()
+        for path, value in data.items():
+            model, node, keys = RunConfig, tree, path.split(".")
+            for key in keys[:-1]:
+                model = _section_type(model.model_fields[key].annotation)
+                node = node.setdefault(key, Node())
+            node[keys[-1]] = TypeAdapter(model.model_fields[keys[-1]].annotation).validate_python(value)
+
+        def build(parts: Node, prefix: str) -> "Sections":
+            return cls({k: build(v, f"{prefix}{k}.") if isinstance(v, Node) else v for k, v in parts.items()},
+                       owner, prefix)
+
+        return build(tree, "")
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference: docs/config.md is generated from this schema (python -m rltpu.config --markdown > docs/config.md)
 
 # What a TRL (GRPOConfig) or verl (ppo_trainer.yaml) user knows a setting as -> the rltpu key. The unknown-key

@@ -16,7 +16,7 @@ from procs import spawn_ranks
 
 from learner.trainer import TrainerEngine
 from rltpu.sync.colocated import full_params_for_sampler, process_memory, publish_local
-from rltpu.config import ModelConfig, RunConfig, SamplerConfig, TrainerConfig
+from rltpu.config import ModelConfig, RunConfig, SamplerConfig, TrainerConfig, sections_of
 from rltpu.control.batch import build_train_batch, split_by_rank
 from rltpu.sampling.engine import SamplerEngine
 from rltpu.sync.collective import param_spec, shard_rows
@@ -210,9 +210,12 @@ def jax_cache(tmp_path_factory) -> str:
 
 
 def _cfg_dict(world: int) -> dict:
+    """What the placement sends a ColocatedActor: its config sections, as JSON data."""
+    from actors.colocated_actor import ColocatedActor
+
     cfg = RunConfig(model=MCFG, sampler=SCFG, trainer=TCFG, seed=SEED,
                     placement={"mode": "colocated", "sampler_chips": world, "trainer_chips": world})
-    return cfg.to_dict()
+    return sections_of(cfg, ColocatedActor.SECTIONS)
 
 
 def _actor_worker(rank: int, world: int, port: int, cfg_dict: dict, batch: dict, cache_dir: str, q) -> None:

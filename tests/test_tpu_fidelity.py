@@ -305,9 +305,10 @@ def test_trainer_with_placements_env_loads_torch_tpu_after_its_launch_env():
     TPU_VISIBLE_CHIPS and TPU_VISIBLE_DEVICES (TorchTPU's source of truth: LOCAL_RANK=1 would otherwise
     open chip 1) and TorchTPU's libtpu build; its ``load()`` runs, finds no device here, and the claim
     fails in one line instead of falling back to CPU."""
+    from actors.trainer_actor import TrainerActor
     from rltpu.chips import libtpu
     from rltpu.chips.launch import launch_env_for_group
-    from rltpu.config import RunConfig
+    from rltpu.config import RunConfig, sections_of
     from rltpu.control.placement import actor_env
 
     cfg = RunConfig.model_validate({"cluster": {"generation": "v6e", "topology": "2x4", "emulated": False},
@@ -318,7 +319,7 @@ def test_trainer_with_placements_env_loads_torch_tpu_after_its_launch_env():
     chip = group[1][0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "TORCH_TPU_", "JAX_PLATFORMS"))}
     env |= actor_env(cfg) | {"PYTHONWARNINGS": "ignore:<TorchTpu/Performance/TcMalloc/", "PYTHONPATH": str(ROOT)}
-    arg = {"rank": 1, "cfg": cfg.to_dict(), "launch_env": envs[1],
+    arg = {"rank": 1, "cfg": sections_of(cfg, TrainerActor.SECTIONS), "launch_env": envs[1],
            "chip": [chip.global_id, chip.slice, chip.host, chip.index, list(chip.coords)]}
     res = subprocess.run([sys.executable, "-c", _TRAINER_CHILD, json.dumps(arg)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -22,11 +22,12 @@ class EnvPool:
 
     def _spawn(self, rank: int):
         from actors.env_worker import EnvWorker
+        from rltpu.config import sections_of
 
         return self.ray.remote(EnvWorker).options(
             name=f"rltpu-env-worker-{rank}-{os.getpid()}-{self.incarnation[rank]}", num_cpus=0,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-        ).remote(rank, self.cfg.to_dict())
+        ).remote(rank, sections_of(self.cfg, EnvWorker.SECTIONS))
 
     def start(self) -> None:
         self.handles = [self._spawn(r) for r in range(self.n)]

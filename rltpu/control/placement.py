@@ -14,7 +14,7 @@ from pathlib import Path
 from rltpu.chips.cluster import PlacementError, start_or_join
 from rltpu.chips.topology import (ChipTable, Role, assign_roles, check_disjoint, trainer_processes,
                                   unimplemented_parallelism)
-from rltpu.config import ConfigError, RunConfig
+from rltpu.config import ConfigError, RunConfig, sections_of
 from rltpu.observe.health import bounded_get
 
 
@@ -210,12 +210,13 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle, chips = self.bundles[(role, rank)]
-        return self.ray.remote(self.mode.actor_classes()[role]).options(
+        cls = self.mode.actor_classes()[role]
+        return self.ray.remote(cls).options(
             name=f"rltpu-{role.value}-{rank}-{os.getpid()}" + (f"-{incarnation}" if incarnation else ""),
             num_cpus=0, resources={"TPU": len(chips)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
             runtime_env={"env_vars": actor_env(self.cfg)},
-        ).remote(rank, self.cfg.to_dict())
+        ).remote(rank, sections_of(self.cfg, cls.SECTIONS))  # only the parts it reads, as JSON data
 
     def chips_for(self, ident: dict) -> list:
         """Map Ray's assignment (node, TPU ids) to chip-table entries."""
