@@ -32,6 +32,7 @@ class TrainerEngine:
                  mesh=None, device: str = "cpu", critic_cfg=None):
         self.cfg, self.temperature, self.mesh, self.device = trainer_cfg, temperature, mesh, device
         self.critic_cfg = critic_cfg
+        self.hf = getattr(trainer_cfg, "model_impl", "native") == "hf"  # transformers' modeling code (learner/hf_model.py)
         # data-parallel width: the ranks of a TP group share one batch shard and one loss share
         self.world = (mesh["dp"].size() if mesh.ndim == 2 else mesh.size()) if mesh is not None else 1
         self.tp = tp_degree(mesh)
@@ -41,7 +42,7 @@ class TrainerEngine:
         self.step = 0
         # model.path: each rank streams its FSDP shard from the HF directory; else a seeded init,
         # identical on every rank (same seed)
-        state = None if model_cfg.path else init_state_dict(model_cfg, vocab_size, seed)
+        state = None if model_cfg.path or self.hf else init_state_dict(model_cfg, vocab_size, seed)
         self.lora = trainer_cfg.lora  # LoRA: adapters train on a frozen base (learner/lora.py)
         self.init_seed, self.vocab_size = seed, vocab_size  # LoRA checkpoints name their base by these
         self.model = self._build(model_cfg, vocab_size, state, lora=self.lora)
@@ -57,7 +58,13 @@ class TrainerEngine:
         self.optimizer, self.scheduler = build_optimizer(self.model, trainer_cfg)
         self._update = spmd_region(self._apply_update, str(device).split(":")[0])
         self.critic = None
-        if critic_cfg is not None:  # PPO: the value model lives on the same ranks as the policy
+        if critic_cfg is not None and self.hf:  # PPO on a transformers body (its head at zero)
+            from learner.hf_model import load_value_model
+
+            self.critic = load_value_model(model_cfg, self.device)
+            self._wrap(self.critic)
+            self.critic_optimizer, self.critic_scheduler = build_optimizer(self.critic, critic_cfg)
+        elif critic_cfg is not None:  # PPO: the value model lives on the same ranks as the policy
             from learner.critic import LlamaForValue, critic_state_from_policy, load_backbone_from_checkpoint
 
             if state is not None:  # seeded init: the policy's starting weights, already in memory
@@ -82,6 +89,15 @@ class TrainerEngine:
             from learner.lora import add_lora
 
             prepare = lambda m: add_lora(m, lora)  # noqa: E731  (before FSDP2 wraps the layers)
+        if self.hf:
+            from learner.hf_model import load_causal_lm
+
+            model = load_causal_lm(model_cfg, self.device)
+            if prepare is not None:
+                prepare(model)
+                model.to(self.device)  # the adapters are made on the model's device already
+            self._wrap(model)
+            return model
         if state is None:
             from rltpu.models.hf.load import build_policy
 
@@ -97,6 +113,15 @@ class TrainerEngine:
         elif self.cfg.activation_checkpointing:
             checkpoint_layers(model)
         return model
+
+    def _wrap(self, model) -> None:
+        """FSDP2 where there is a group to shard over, else (one rank) activation checkpointing alone."""
+        if self.sharded:
+            self._parallelize(model)
+        elif self.cfg.activation_checkpointing:
+            from learner.hf_model import checkpoint_hf
+
+            checkpoint_hf(model) if self.hf else checkpoint_layers(model)
 
     def _apply_update(self) -> torch.Tensor:
         """Clip, step, schedule: the same operations, collectives (the norm's all-reduce) and shard
@@ -114,6 +139,10 @@ class TrainerEngine:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _parallelize(self, model):
+        if self.hf:
+            from learner.hf_model import parallelize_hf
+
+            return parallelize_hf(model, self.mesh, self.cfg.mixed_precision, self.cfg.activation_checkpointing)
         return parallelize_llama(model, self.mesh, self.cfg.mixed_precision, self.cfg.activation_checkpointing)
 
     # -- the update -------------------------------------------------------------------------
@@ -223,8 +252,9 @@ class TrainerEngine:
     def _micro_batches(self, batch: dict, plan: list):
         """``(micro-batch, src)`` per planned micro-batch: its rows packed into lines no wider than the
         longest (``learner.microbatch.pack_batch``; ``src`` maps slots back) where the loss allows it,
-        else its rows and used columns (``src`` None). Shape buckets only on devices that compile."""
-        if not packable(batch, self.cfg.resolved_loss_agg_mode):
+        else its rows and used columns (``src`` None): always for ``model_impl=hf`` (packed lines need the
+        native decoder's segment masks). Shape buckets only on devices that compile."""
+        if self.hf or not packable(batch, self.cfg.resolved_loss_agg_mode):  # hf: transformers' own masks
             for rows, lo, hi in plan:
                 yield slice_batch(batch, rows, lo, hi) | {"_slice": (rows, lo, hi)}, None
             return

@@ -206,7 +206,9 @@ class ModelConfig(_Section):
     # resolve once, in the driver, to its snapshot in the HF cache (HF_HOME; HF_HUB_OFFLINE=1: cache only)
     path: str | None = None
     revision: str | None = None  # Hub branch, tag or commit of a path given as a Hub id (None: main)
-    architecture: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"  # HF family (for export)
+    # HF family (for export); "other": a model.path of any other causal LM (Gemma 3, Qwen3-MoE...), which only
+    # trainer.model_impl=hf trains (the sizes below are then read from its config.json for checks only)
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "other"] = "llama"
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(256, ge=8)
     num_hidden_layers: int = Field(2, ge=1)
@@ -601,6 +603,10 @@ class TrainerConfig(_Section):
     # micro-batch at once. 512 at Qwen's 152k vocab: ~0.9 GB transient instead of ~600 KB x 3 per token
     logprob_chunk_tokens: int = Field(512, ge=0)
     lora: LoraConfig | None = None  # train low-rank adapters on a frozen base (None: every parameter)
+    # the policy's modeling code: "native" = rltpu's own Llama-family decoder (rltpu/models/torch_llama.py,
+    # packed micro-batches); "hf" = transformers' AutoModelForCausalLM built from model.path's config.json
+    # (any architecture transformers runs; padded micro-batches, no tensor parallelism: learner/hf_model.py)
+    model_impl: Literal["native", "hf"] = "native"
 
     @model_validator(mode="after")
     def _algorithm(self) -> "TrainerConfig":
@@ -816,6 +822,7 @@ class RunConfig(_Section):
             raise ValueError(f"placement.reward_chips={self.placement.reward_chips} but there is no reward_model "
                              f"section; add reward_model.path or set placement.reward_chips=0")
         if self.critic is not None and self.trainer.algorithm != "ppo":
+        _check_model_impl(self)
             raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
                              f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")
         if self.trainer.lora is not None:
@@ -884,6 +891,21 @@ def _check_env(cfg: "RunConfig") -> None:
             raise ValueError(f"env.credit=turn works with trainer.algorithm grpo or drgrpo, not "
                              f"{cfg.trainer.algorithm!r}; set env.credit=episode or change the algorithm")
         if cfg.trainer.kl_in_reward or cfg.reward_model is not None:
+def _check_model_impl(cfg: "RunConfig") -> None:
+    """What ``trainer.model_impl=hf`` needs, and the architectures only it trains, in one line each."""
+    if cfg.trainer.model_impl == "native":
+        if cfg.model.architecture == "other":
+            raise ValueError(f"model.path {cfg.model.path} holds an architecture the native trainer does not "
+                             f"implement (it has llama, qwen2, qwen3, mistral); set trainer.model_impl=hf")
+        return
+    if cfg.model.path is None:
+        raise ValueError("trainer.model_impl=hf builds the model from a checkpoint's config.json: set model.path "
+                         "(a local Hugging Face directory, e.g. one from `rltpu tiny-checkpoint`)")
+    if cfg.placement.chips_per_trainer > 1:
+        raise ValueError("trainer.model_impl=hf with placement.chips_per_trainer > 1 is not supported (no tensor "
+                         "parallelism for transformers' models yet); set chips_per_trainer=1 or model_impl=native")
+
+
             raise ValueError("env.credit=turn takes each turn's reward from the environment alone: it does not "
                              "combine with trainer.kl_in_reward or a reward_model; set env.credit=episode")
     if cfg.env.max_tokens < cfg.sampler.max_new_tokens:

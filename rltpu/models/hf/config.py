@@ -82,6 +82,8 @@ def read_checkpoint_config(directory: str | Path, classifier: bool = False) -> d
     archs = hf.get("architectures") or []
     table = CLASSIFIERS if classifier else SUPPORTED
     arch = next((table[a] for a in archs if a in table), None)
+    if arch is None and not classifier and any(str(a).endswith("ForCausalLM") for a in archs):
+        return _other(hf, where)
     if arch is None:
         raise ValueError(f"{where}: architectures {archs} is not supported (supported: {', '.join(table)})")
     if classifier and len(hf.get("id2label") or {0: 0}) != 1:
@@ -142,6 +144,46 @@ def read_checkpoint_config(directory: str | Path, classifier: bool = False) -> d
         "qk_norm": arch == "qwen3",
         "sliding_window": None if window is None else int(window),
         "layer_types": layer_types,
+        "dtype": dtype,
+    }
+
+
+def _other(hf: dict, where: Path) -> dict[str, Any]:
+    """A causal LM of a family the native decoder does not implement (Gemma 3, Qwen3-MoE...):
+    ``architecture: other``, sizes read as far as the config.json gives them (for the config's length
+    checks and memory estimates); only ``trainer.model_impl: hf`` trains it (the model itself is built
+    by ``transformers`` from the same file). The Llama-only switches stay off."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    get = lambda k, d=None: hf.get(k, text.get(k, d))  # noqa: E731
+    missing = [k for k in _REQUIRED if get(k) is None and k != "intermediate_size"]
+    if missing:
+        raise ValueError(f"{where}: lacks {missing[0]!r}")
+    heads = int(get("num_attention_heads"))
+    params = get("rope_parameters") or {}
+    if isinstance(params, dict) and "full_attention" in params:
+        params = params["full_attention"]
+    theta = (params.get("rope_theta") if isinstance(params, dict) else None) or get("rope_theta") or 10000.0
+    dtype = _DTYPES.get(str(get("dtype", get("torch_dtype", "float32"))), "float32") or "float32"
+    return {
+        "architecture": "other",
+        "hidden_size": int(get("hidden_size")),
+        "intermediate_size": int(get("intermediate_size") or get("moe_intermediate_size") or 4 * int(get("hidden_size"))),
+        "num_hidden_layers": int(get("num_hidden_layers")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("num_key_value_heads") or heads),
+        "head_dim": int(get("head_dim") or int(get("hidden_size")) // heads),
+        "rope_theta": float(theta),
+        "rope_scaling": None,
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(get("max_position_embeddings", 2048)),
+        # PretrainedConfig's default (a config.json written by transformers leaves the default out)
+        "tie_word_embeddings": bool(get("tie_word_embeddings", True)),
+        "vocab_size": int(get("vocab_size")),
+        "attention_bias": False,
+        "attention_out_bias": False,
+        "qk_norm": False,
+        "sliding_window": None,
+        "layer_types": None,
         "dtype": dtype,
     }
 

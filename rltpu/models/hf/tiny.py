@@ -3,6 +3,8 @@
     rltpu tiny-checkpoint OUT_DIR --arch qwen2 [--tied] [--dtype bfloat16] [--sliding-window 8]
                                  [--llama3-rope] [--shard-kb 64] [--seed 0]
 
+``--arch``: llama, qwen2, qwen3, mistral, or gemma3 / qwen3_moe (only ``trainer.model_impl=hf`` trains those).
+
 Writes config.json + safetensors (sharded with an index when ``--shard-kb`` is given) with
 ``save_pretrained``, plus a local tokenizer (a byte-level BPE with a ChatML chat template, from
 ``rltpu.data.chat_example.make_tiny_tokenizer``) in the same directory. Used by the tests, and by
@@ -22,6 +24,8 @@ import sys
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+# families only transformers' modeling code runs here (trainer.model_impl=hf; sampler.backend=vllm)
+HF_ONLY_ARCHS = ("gemma3", "qwen3_moe")
 
 
 def _transformers():
@@ -59,8 +63,8 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
     with a small original context (16) so the scaling changes the angles of short sequences.
     ``vocab_size`` defaults to the tokenizer's size (or 128 without one).
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    if arch not in ARCHS + HF_ONLY_ARCHS:
+        raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(ARCHS + HF_ONLY_ARCHS)})")
     if tokenizer in ("words", "arith") and arch != "llama":
         # transformers 5 loads a qwen2/qwen3/mistral directory with its family's BPE tokenizer class,
         # rebuilt from the vocabulary: whole-word ids without merges would silently vanish from prompts
@@ -105,6 +109,14 @@ def write_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen2", *, tied: boo
         config = T.LlamaConfig(rope_parameters=rope, attention_bias=attention_bias, **common)
     elif arch == "mistral":
         config = T.MistralConfig(sliding_window=sliding_window, **common)
+    elif arch == "gemma3":  # text-only Gemma 3 (Gemma3ForCausalLM): every other layer slides
+        config = T.Gemma3TextConfig(head_dim=head_dim or hidden_size // num_heads, sliding_window=sliding_window or 8,
+                                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                 for i in range(num_layers)], **common)
+    elif arch == "qwen3_moe":  # 4 experts, 2 routed per token, every layer sparse
+        config = T.Qwen3MoeConfig(head_dim=head_dim or hidden_size // num_heads, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1,
+                                  attention_bias=attention_bias, **common)
     else:
         cls = T.Qwen2Config if arch == "qwen2" else T.Qwen3Config
         extra = {} if arch == "qwen2" else {"attention_bias": attention_bias}
@@ -138,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", help="directory to write (config.json, safetensors, tokenizer)")
-    p.add_argument("--arch", choices=ARCHS, default="qwen2")
+    p.add_argument("--arch", choices=ARCHS + HF_ONLY_ARCHS, default="qwen2",
+                   help="gemma3 / qwen3_moe: trained only with trainer.model_impl=hf, sampled with sampler.backend=vllm")
     p.add_argument("--tied", action="store_true", help="tie lm_head to the embeddings")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--sliding-window", type=int, default=None, help="mistral/qwen2/qwen3 sliding window")
