@@ -223,8 +223,9 @@ def _train(args, interrupts) -> int:
         last = records[-5:]
         mean = sum(r["reward_mean"] for r in last) / len(last)
         chips = "emulated chips" if controller.emulated else "TPU chips"
+        first = controller.first_step_line()  # its time from the launch by phase (also trace.json's spans)
         print(f"rltpu: done: {controller.steps_run} steps on {chips}, last-{len(last)} mean reward {mean:.3f}; "
-              f"run dir {controller.run_dir}", flush=True)
+              f"{first + '; ' if first else ''}run dir {controller.run_dir}", flush=True)
     if interrupts.late:  # the run had finished when it came: nothing to resume, but the signal is answered
         log.warning(f"rltpu: stopped by {interrupts.late_name()} while shutting down after the last step; the run had "
                     f"finished (final checkpoint in {controller.run_dir / 'checkpoint'}; nothing to resume)")

@@ -89,20 +89,28 @@ def test_step_record_means_over_the_global_batch_not_per_rank():
     assert rec["step_s"] >= 1.0
 
 
-def test_compile_cache_dir_config_then_env_then_run_dir(tmp_path, monkeypatch):
+def test_compile_cache_dir_config_then_env_then_user_cache_then_run_dir(tmp_path, monkeypatch, capsys):
     """``sampler.compile_cache_dir`` wins, then ``RLTPU_COMPILE_CACHE_DIR`` (a cache shared by many runs,
-    as this suite sets it), then ``<run_dir>/jax_cache``; ``compile_cache: false`` turns it off."""
+    as this suite sets it), then the user's private cache (per CPU), then ``<run_dir>/jax_cache`` when the
+    user's cache is writable by others; ``compile_cache: false`` turns it off."""
+    import stat
     from types import SimpleNamespace
 
     from rltpu.config import load_config
-    from rltpu.control.controller import Controller
+    from rltpu.control.controller import Controller, host_fingerprint
 
     def where(*overrides):
         cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml", list(overrides))
         return Controller._cache_dir(SimpleNamespace(cfg=cfg, run_dir=tmp_path / "run"))
 
     monkeypatch.delenv("RLTPU_COMPILE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    mine = tmp_path / "xdg" / "rltpu" / "jax" / host_fingerprint()
+    assert where() == str(mine.resolve())
+    assert stat.S_IMODE(mine.stat().st_mode) & 0o077 == 0  # made private: it holds executables the samplers run
+    (tmp_path / "xdg" / "rltpu").chmod(0o777)  # another user could swap what is under it
     assert where() == str((tmp_path / "run" / "jax_cache").resolve())
+    assert "shared compile cache is off" in capsys.readouterr().err
     monkeypatch.setenv("RLTPU_COMPILE_CACHE_DIR", str(tmp_path / "shared"))
     assert where() == str((tmp_path / "shared").resolve())
     assert where(f"sampler.compile_cache_dir={tmp_path / 'mine'}") == str((tmp_path / "mine").resolve())

@@ -204,6 +204,37 @@ def test_a_registered_estimator_is_valid_config_and_gets_what_it_declares(tmp_pa
     assert (batch["old_logprobs"] == -m).all()  # the trainer's own, not the sampler's (-log of the vocabulary)
 
 
+def test_an_estimator_declaring_a_critic_takes_the_critic_section(tmp_path, monkeypatch):
+    """The critic section follows the registry: a new estimator that declares ``critic`` is valid with
+    it and gets the values; the built-in critic-free ones refuse it, naming the ones that use it."""
+    import torch
+
+    from learner.losses import ESTIMATORS, register_estimator
+    from rltpu.config import ConfigError
+
+    monkeypatch.setattr("learner.losses.ESTIMATORS", dict(ESTIMATORS))
+    seen = []
+
+    @register_estimator("reward-minus-value", critic=True)
+    def _mine(x):
+        seen.append(x)
+        returns = x.rewards.float()[:, None] * x.mask.float()
+        return returns - x.values * x.mask.float(), returns
+
+    with pytest.raises(ConfigError, match=r"value model \(ppo, reward-minus-value\), not trainer.algorithm=grpo"):
+        Controller(make_cfg(tmp_path, critic={"lr": 1e-3}))
+    with pytest.raises(ConfigError, match="reward-minus-value needs a value model"):
+        Controller(make_cfg(tmp_path, trainer__algorithm="reward-minus-value"))
+    ctl, actors, records = run(make_cfg(tmp_path, trainer__steps=1, trainer__algorithm="reward-minus-value",
+                                        critic={"lr": 1e-3}))
+    assert [r["step"] for r in records] == [1] and len(seen) == 1 and seen[0].values is not None
+    b = {k: np.concatenate([x[k] for _, x in actors.batches]) for k in ("advantages", "returns", "loss_mask")}
+    m = b["loss_mask"]
+    np.testing.assert_allclose(b["returns"] * m, (seen[0].rewards.numpy()[:, None] * m))
+    np.testing.assert_allclose(b["advantages"], b["returns"] * m)  # FakeTrainer.values: 0 everywhere
+    assert torch.equal(seen[0].values, torch.zeros_like(seen[0].values))
+
+
 def test_ppo_asks_the_trainers_for_the_critics_values(tmp_path):
     """PPO declares ``critic``: the trainers' values come first and the batch carries the critic's targets."""
     from learner.losses import gae, outcome_token_rewards, whiten

@@ -335,9 +335,12 @@ def test_config_refusals():
         RunConfig.model_validate(guess | {"trainer": {"kl_in_reward": True, "kl_coef": 0.01}})
     with pytest.raises(ValueError, match="credit"):
         RunConfig.model_validate(guess | {"env": {"path": "rltpu.data.envs.guess:GuessNumber", "credit": "token"}})
-    with pytest.raises(ValueError, match="ppo"):
-        RunConfig.model_validate({"task": {"name": "guess"}, "env": {"path": "rltpu.data.envs.guess:GuessNumber"},
-                                  "trainer": {"algorithm": "ppo"}, "critic": {}})
+    from rltpu.control.controller import check_algorithm  # a value model is the estimator's declaration
+
+    with pytest.raises(ValueError, match="env with trainer.algorithm=ppo is not supported"):
+        check_algorithm(RunConfig.model_validate({"task": {"name": "guess"},
+                                                  "env": {"path": "rltpu.data.envs.guess:GuessNumber"},
+                                                  "trainer": {"algorithm": "ppo"}, "critic": {}}))
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -57,13 +57,20 @@ def test_critic_learns_returns_and_checkpoints(tmp_path):
 
 
 def test_ppo_config_errors(tmp_path):
+    """PPO declares a critic (``register_estimator("ppo", critic=True)``): the section is required
+    with it and refused without it, before Ray starts (``check_algorithm``)."""
+    from rltpu.control.controller import check_algorithm
+
     cfg = tmp_path / "c.yaml"
     cfg.write_text("trainer: {steps: 1}\n")
     with pytest.raises(ConfigError, match="ppo needs a value model"):
-        load_config(cfg, ["trainer.algorithm=ppo"])
-    with pytest.raises(ConfigError, match="only used by trainer.algorithm=ppo"):
-        load_config(cfg, ["critic.lr=0.001"])
-    assert load_config(cfg, ["trainer.algorithm=ppo", "critic.lr=0.001"]).critic.lr == 0.001
+        check_algorithm(load_config(cfg, ["trainer.algorithm=ppo"]))
+    with pytest.raises(ConfigError, match=r"only used by an algorithm with a value model \(ppo\), not "
+                                          r"trainer.algorithm=grpo"):
+        check_algorithm(load_config(cfg, ["critic.lr=0.001"]))
+    ok = load_config(cfg, ["trainer.algorithm=ppo", "critic.lr=0.001"])
+    check_algorithm(ok)
+    assert ok.critic.lr == 0.001
 
 
 def test_critic_from_model_path_streams_the_backbone(tmp_path):

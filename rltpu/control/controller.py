@@ -61,6 +61,7 @@ from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_leng
 from rltpu.observe.health import HealthError, PhaseTimeout, bounded_get
 from rltpu.observe.ledger import Ledger
 from rltpu.observe.loggers import build_loggers, check_loggers
+from rltpu.observe.startup import actor_waits, first_step_report, launch_time, report_line
 from rltpu.sync.collective import param_spec
 
 
@@ -131,18 +132,73 @@ def fabric_warning(host: str, port: int) -> str | None:
 
 def check_algorithm(cfg: RunConfig) -> None:
     """``trainer.algorithm`` and ``trainer.loss_agg_mode`` against their registries in
-    ``learner.losses`` (one line naming the registered ones); a critic section when the estimator
-    needs one."""
+    ``learner.losses`` (one line naming the registered ones); the ``critic:`` section present exactly
+    when the estimator declares ``critic`` (the config schema cannot import the registry)."""
     try:
         est = get_estimator(cfg.trainer.algorithm)
     except ValueError as err:
         raise ConfigError(f"trainer.algorithm: {err}") from None
     if est.critic and cfg.critic is None:
         raise ConfigError(f"trainer.algorithm={est.name} needs a value model: add a 'critic:' section "
-                          f"(e.g. critic: {{lr: 1e-3}}) or pick a critic-free algorithm")
+                          f"(e.g. critic: {{lr: 1e-3}}) or pick a critic-free algorithm (grpo, rloo, ...)")
+    if cfg.critic is not None and not est.critic:
+        from learner import losses  # the registry as it is now (a test may register one)
+
+        users = ", ".join(name for name, e in losses.ESTIMATORS.items() if e.critic)
+        raise ConfigError(f"a 'critic:' section is only used by an algorithm with a value model ({users}), not "
+                          f"trainer.algorithm={est.name}; remove it or pick one of those")
+    if est.critic and cfg.env is not None:
+        raise ConfigError(f"env with trainer.algorithm={est.name} is not supported (its value model's GAE would "
+                          f"run across the environment's masked tokens); use grpo, drgrpo, rloo or reinforce_pp")
     mode = cfg.trainer.resolved_loss_agg_mode
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"trainer.loss_agg_mode: unknown {mode!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
+
+
+_CACHE_WARNED: set[str] = set()
+
+
+def host_fingerprint() -> str:
+    """The CPU's architecture and instruction-set flags, hashed: a home directory shared by hosts of
+    other CPUs must not hand one host's CPU executables to another (JAX's key names no CPU features)."""
+    import hashlib
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    text = " ".join([platform.machine(), platform.processor(), *sorted(flags)])
+    return f"{platform.machine() or 'cpu'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def user_compile_cache() -> str | None:
+    """``$XDG_CACHE_HOME/rltpu/jax/<host>`` (default ``~/.cache/rltpu/jax/<host>``, ``host_fingerprint``),
+    made private (0700), or None when it cannot be made or is not private to this user (a symlink,
+    another owner, group- or world-writable): the cache holds native executables that the samplers load
+    and run, so whoever can write it could run code in them. JAX keys each program by its HLO, compile
+    options, devices, XLA flags and jax/jaxlib version, so runs of other models or shapes only add entries."""
+    import stat
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rltpu"
+    path = base / "jax" / host_fingerprint()
+    try:
+        for d in (base, base / "jax", path):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                why = f"{d} is not a directory owned by this user and writable only by it"
+                break
+        else:
+            return str(path)
+    except (OSError, RuntimeError) as err:  # RuntimeError: no home directory
+        why = f"{path} cannot be made ({getattr(err, 'strerror', None) or err})"
+    if why not in _CACHE_WARNED:
+        _CACHE_WARNED.add(why)
+        print(f"rltpu: warning: the shared compile cache is off: {why}; programs are cached in the run directory "
+              f"(set sampler.compile_cache_dir to a private directory)", file=sys.stderr, flush=True)
+    return None
 
 
 class Controller:
@@ -152,6 +208,7 @@ class Controller:
         """``placement``: builds the chip plan and the actors on it (Ray's placement group; the
         controller tests pass the in-process fakes of ``tests/fakes.py``). ``mode``: the placement
         mode (default: the one ``placement.mode`` / ``placement.staleness`` name)."""
+        t_prepare = time.time()  # from the launch to here: "imports" (trace.json, the summary line)
         self.address, self.resume = address or cfg.cluster.address, resume
         self.mode = mode or mode_for(cfg.placement)
         self.run_dir = cfg.resolved_run_dir
@@ -210,6 +267,12 @@ class Controller:
             progress=lambda: (self.step_idx, self.version), build_samplers=self.build_samplers,
             build_trainers=self.build_trainers, rewind=self.rewind_to_checkpoint, redraw=self.draws.rewind,
             reward_health=lambda: self.rewards.health() if self.rewards is not None else None))
+        # trace.json's clock starts at the process's launch: imports and this preparation are its first spans
+        self.launched = self.supervisor.t0 = launch_time()
+        self.first_step: dict | None = None  # first_step_report, once this process's first step is written
+        for name, start, end in (("imports", self.launched, t_prepare), ("prepare", t_prepare, time.time())):
+            self.supervisor.spans.append({"actor": "controller", "pid": os.getpid(), "phase": name, "start": start,
+                                          "end": end, "step": self.step_idx})
 
     @property
     def emulated(self) -> bool:
@@ -230,13 +293,16 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.run_dir / "config.yaml")
         p = self.placement
+        self.phase = "ray_start"  # the start-up phases are trace.json spans (rltpu.observe.startup.STARTUP)
         ray = self.ray = p.start_cluster(self.address)
         self._ray_temp = owned_ray_temp_dir(ray, self.cfg, self.address)
         self._restore_sigterm()
         self._check_interrupt()
+        self.phase = "actors"
         p.spawn_all()
         p.claim_all()
         self._check_interrupt()
+        self.phase = "rendezvous"
         g = p.groups
         d = self.cfg.health.deadlines
         self.weights = self.mode.handoff(ray, g, p.roles, self.spec, self.cfg.sync.timeout_s, d)
@@ -257,6 +323,7 @@ class Controller:
         warning = fabric_warning(master, port)
         if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
             print(warning, file=sys.stderr, flush=True)
+        self.phase = "build"
         builds = self.build_trainers()
         rm_vocab = bounded_get(ray, [r.build.remote() for r in g.rewarders], "loading", d, "the reward models")
         if rm_vocab and min(rm_vocab) < self.vocab:
@@ -268,6 +335,7 @@ class Controller:
         self.compile_log = bounded_get(ray, compiles, "compiling", d, "the sampler programs")
         self._report_compiling(time.perf_counter() - t_compile)
         self._check_interrupt()
+        self.phase = "first_sync"
         if self.resume:
             self._load_checkpoint(required=True)
         self.weights.join()
@@ -279,6 +347,7 @@ class Controller:
         except OSError as err:  # a debug file: its failure is a warning, not the end of the job
             print(f"rltpu: warning: could not write placement.json ({err.strerror or err})", file=sys.stderr)
         self._check_interrupt()
+        self.phase = "idle"
         self.started = True
         self.supervisor.state = "running"
 
@@ -295,10 +364,11 @@ class Controller:
     def _cache_dir(self) -> str | None:
         """The samplers' persistent compile cache: ``sampler.compile_cache_dir``, else the
         ``RLTPU_COMPILE_CACHE_DIR`` environment variable (one cache for many runs, e.g. a test suite),
-        else ``<run_dir>/jax_cache``."""
+        else the user's own cache (``user_compile_cache``: a second run of the same shapes loads its
+        programs instead of compiling them), else ``<run_dir>/jax_cache``."""
         if not self.cfg.sampler.compile_cache:
             return None
-        shared = self.cfg.sampler.compile_cache_dir or os.environ.get("RLTPU_COMPILE_CACHE_DIR")
+        shared = self.cfg.sampler.compile_cache_dir or os.environ.get("RLTPU_COMPILE_CACHE_DIR") or user_compile_cache()
         return str(Path(shared).resolve()) if shared else str((self.run_dir / "jax_cache").resolve())
 
     def build_trainers(self) -> list:
@@ -700,6 +770,8 @@ class Controller:
                     self.steps_run += 1
                     self.writer.write(rec)
                     self.interrupted_record = None
+                if self.first_step is None:
+                    self._report_first_step()
                 if self.checkpoints.due(self.step_idx) and self.step_idx < cfg.trainer.steps:  # the last: _saved_final
                     self.phase = "checkpoint"
                     self.save_checkpoint()
@@ -714,6 +786,33 @@ class Controller:
             self.supervisor.maybe_write_trace()  # throttled; a failed write is a warning
         self._close_writer()
         return list(records)
+
+    def _report_first_step(self) -> None:
+        """This process's first step, written: its time from the launch by phase (the summary line),
+        and trace.json written now so the start-up is on disk before the run goes on."""
+        sup = self.supervisor
+        actor_spans = []
+        if sup.watch is not None:
+            with sup.watch.lock:
+                actor_spans = list(sup.watch.spans)
+        self.first_step = first_step_report(list(sup.spans), actor_spans, self.launched, time.time(), self.step_idx)
+        try:
+            sup.write_trace()
+        except OSError:  # a debug file: maybe_write_trace warns about a failed write
+            pass
+
+    def first_step_line(self) -> str | None:
+        """The summary line's part on the first step (``rltpu.observe.startup.report_line``); the
+        actors' compile and load spans that had not arrived at the first step are read again."""
+        rep, watch = self.first_step, self.supervisor.watch
+        if rep is None:
+            return None
+        if watch is not None and None in rep["actors_s"].values():
+            with watch.lock:
+                spans = list(watch.spans)
+            rep["actors_s"] = {k: v if v is not None else actor_waits(spans, rep["step_start"])[k]
+                               for k, v in rep["actors_s"].items()}
+        return report_line(rep)
 
     # -- held-out evaluation (eval:) -----------------------------------------------------------------
     def _maybe_eval(self, rec: dict, records: list[dict]) -> dict:
