@@ -813,20 +813,16 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
-        if self.trainer.algorithm == "ppo" and self.critic is None:
-            raise ValueError("trainer.algorithm=ppo needs a value model: add a 'critic:' section "
-                             "(e.g. critic: {lr: 1e-3}) or pick a critic-free algorithm (grpo, rloo, ...)")
+        # whether trainer.algorithm needs the critic section is its estimator's declaration
+        # (learner.losses.register_estimator), checked with the registry by control.controller.check_algorithm
         if self.reward_model is not None and self.placement.reward_chips == 0:
             raise ValueError("reward_model needs chips of its own: set placement.reward_chips >= 1")
         if self.reward_model is None and self.placement.reward_chips:
             raise ValueError(f"placement.reward_chips={self.placement.reward_chips} but there is no reward_model "
                              f"section; add reward_model.path or set placement.reward_chips=0")
-        if self.critic is not None and self.trainer.algorithm != "ppo":
-        _check_model_impl(self)
-            raise ValueError(f"a 'critic:' section is only used by trainer.algorithm=ppo, not "
-                             f"{self.trainer.algorithm!r}; remove it or set trainer.algorithm=ppo")
         if self.trainer.lora is not None:
             _check_lora(self)
+        _check_model_impl(self)
         if self.env is not None:
             _check_env(self)
         elif self.task.name in ("calc", "guess", "lookup") and self.task.dataset is None:
@@ -881,9 +877,6 @@ class RunConfig(_Section):
 
 def _check_env(cfg: "RunConfig") -> None:
     """What multi-turn rollouts do not run with, each refused in one line before Ray starts."""
-    if cfg.trainer.algorithm == "ppo":
-        raise ValueError("env with trainer.algorithm=ppo is not supported (GAE would run across the "
-                         "environment's masked tokens); use grpo, drgrpo, rloo or reinforce_pp")
     if cfg.placement.mode == "colocated":
         raise ValueError("env with placement.mode=colocated is not supported yet; use disaggregated")
     if cfg.env.credit == "turn":
@@ -891,6 +884,13 @@ def _check_env(cfg: "RunConfig") -> None:
             raise ValueError(f"env.credit=turn works with trainer.algorithm grpo or drgrpo, not "
                              f"{cfg.trainer.algorithm!r}; set env.credit=episode or change the algorithm")
         if cfg.trainer.kl_in_reward or cfg.reward_model is not None:
+            raise ValueError("env.credit=turn takes each turn's reward from the environment alone: it does not "
+                             "combine with trainer.kl_in_reward or a reward_model; set env.credit=episode")
+    if cfg.env.max_tokens < cfg.sampler.max_new_tokens:
+        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} is smaller than one turn's "
+                         f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}; raise env.max_tokens")
+
+
 def _check_model_impl(cfg: "RunConfig") -> None:
     """What ``trainer.model_impl=hf`` needs, and the architectures only it trains, in one line each."""
     if cfg.trainer.model_impl == "native":
@@ -904,13 +904,6 @@ def _check_model_impl(cfg: "RunConfig") -> None:
     if cfg.placement.chips_per_trainer > 1:
         raise ValueError("trainer.model_impl=hf with placement.chips_per_trainer > 1 is not supported (no tensor "
                          "parallelism for transformers' models yet); set chips_per_trainer=1 or model_impl=native")
-
-
-            raise ValueError("env.credit=turn takes each turn's reward from the environment alone: it does not "
-                             "combine with trainer.kl_in_reward or a reward_model; set env.credit=episode")
-    if cfg.env.max_tokens < cfg.sampler.max_new_tokens:
-        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} is smaller than one turn's "
-                         f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}; raise env.max_tokens")
 
 
 def _check_lora(cfg: "RunConfig") -> None:
