@@ -479,7 +479,9 @@ class SamplerConfig(_Section):
     kv_page_size: int = Field(16, ge=1)  # continuous: tokens per KV page (capped at max new tokens)
     kv_pages: int = Field(0, ge=0)  # continuous: pages in the KV pool (0 = auto, 40% of a dense cache)
     precompile: bool = True  # compile every bucket at actor start
-    compile_cache: bool = True  # JAX persistent compilation cache in <run_dir>/jax_cache
+    # JAX persistent compilation cache: your own ~/.cache/rltpu/jax/<cpu> (made 0700; off when others can
+    # write it), so a rerun loads its programs; else <run_dir>/jax_cache
+    compile_cache: bool = True
     # another directory for it, shared by runs (programs are keyed by their HLO, devices and flags,
     # so runs of other shapes only add entries); env RLTPU_COMPILE_CACHE_DIR sets it for every run
     compile_cache_dir: str | None = None
