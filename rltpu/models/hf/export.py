@@ -105,6 +105,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, shard_mb:
         raise CheckpointError(f"{state_path}: corrupt (no 'config' with a 'model' section)")
     model_dict = dict(run_cfg["model"])
     source_path = model_dict.pop("path", None)
+    if (run_cfg.get("trainer") or {}).get("model_impl") == "hf":
+        return export_transformers(ckpt, meta, Path(out_dir), shard_mb, adapters)
     # every architecture field is in the saved config already: validate without re-reading model.path
     cfg = ModelConfig.model_validate(model_dict)
     if (ckpt / "adapters.index.json").is_file():
@@ -138,6 +140,72 @@ def _full_spec(ckpt: Path, cfg):
     return weights, vocab, [(name, tuple(shape), weights.dtype(name)) for name, shape in want.items()]
 
 
+def export_transformers(ckpt: Path, meta: dict, out: Path, shard_mb: float = 4096, adapters: bool = False) -> dict:
+    """A ``trainer.model_impl=hf`` run's checkpoint: transformers rebuilds the model from ``model.path``
+    (its config.json and base weights), takes the checkpoint's tensors (or merges a LoRA run's adapters,
+    ``W + (alpha / rank) B A``) and writes it with ``save_pretrained``, which also turns its in-memory
+    layout back into the checkpoint one (e.g. Qwen3-MoE's fused experts into per-expert tensors).
+    Holds the whole model in this process (the native export streams tensor by tensor)."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("exporting a trainer.model_impl=hf run needs transformers: pip install 'rltpu[hf]'") \
+            from None
+    run_cfg = meta["config"]
+    source = run_cfg["model"].get("path")
+    if not source or not (Path(source) / "config.json").is_file():
+        raise CheckpointError(f"the run's model.path {source!r} (its config.json and base weights) is needed to "
+                              f"export a trainer.model_impl=hf checkpoint; restore it")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[run_cfg["model"].get("dtype") or "float32"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    params = model.state_dict()
+    lora = (ckpt / "adapters.index.json").is_file()
+    if adapters:
+        raise CheckpointError("--adapters is not supported for a trainer.model_impl=hf run; export the merged model "
+                              "(drop --adapters)")
+    part = ShardedPart(ckpt, "adapters" if lora else "model") if (ckpt / f"{'adapters' if lora else 'model'}"
+                                                                  ".index.json").is_file() \
+        else SafetensorsFile(ckpt / "model.safetensors")
+    with torch.no_grad():
+        if lora:
+            info = meta.get("lora") or {}
+            scale = float(info["alpha"]) / int(info["rank"])
+            for name in part.entries:
+                if name.endswith(".lora_A.weight"):
+                    w = params[name[: -len(".lora_A.weight")] + ".weight"]
+                    a, b = part.read(name).float(), part.read(name.replace(".lora_A.", ".lora_B.")).float()
+                    w.copy_((w.float() + scale * (b @ a)).to(w.dtype))
+        else:
+            missing = [n for n in params if n not in part.entries and not _tied(model, n)]
+            if missing:
+                raise CheckpointError(f"{part.path}: tensor {missing[0]} is missing (the run's model.path "
+                                      f"{source} builds a model that has it)")
+            for name in part.entries:
+                if name not in params or tuple(part.shape(name)) != tuple(params[name].shape):
+                    raise CheckpointError(f"{part.path}: tensor {name} does not fit the model {source} builds")
+                params[name].copy_(part.read(name).to(params[name].dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    model.save_pretrained(out, max_shard_size=int(shard_mb * 2**20))
+    tok_src = run_cfg.get("task", {}).get("tokenizer") or source
+    _copy_tokenizer(Path(tok_src), out)
+    return {"out_dir": str(out), "architecture": type(model).__name__, "tensors": len(params), "merged_lora": lora,
+            "step": meta.get("step"), "files": sorted(f.name for f in out.iterdir())}
+
+
+def _tied(model, name: str) -> bool:
+    """``name`` is the output embedding tied to the input one (one tensor, saved once)."""
+    out = model.get_output_embeddings()
+    return bool(getattr(model.config, "tie_word_embeddings", False)) and out is not None and \
+        name.startswith("lm_head.") and out.weight is model.get_input_embeddings().weight
+
+
 HF_DIR = "hf"  # checkpoint.hf_export: <checkpoint>/hf, moved with its checkpoint when checkpoints rotate
 
 
@@ -162,6 +230,10 @@ def write_hf_share(ckpt: Path, meta: dict, rank: int, world: int) -> None:
     run_cfg = meta.get("config")
     if not isinstance(run_cfg, dict) or not isinstance(run_cfg.get("model"), dict):
         raise CheckpointError("checkpoint.hf_export: the checkpoint's metadata has no run config")
+    if (run_cfg.get("trainer") or {}).get("model_impl") == "hf":  # transformers writes it, on rank 0
+        if rank == 0:
+            export_transformers(Path(ckpt), meta, Path(ckpt) / HF_DIR)
+        return
     model_dict = dict(run_cfg["model"])
     source_path = model_dict.pop("path", None)
     cfg = ModelConfig.model_validate(model_dict)
