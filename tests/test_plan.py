@@ -387,6 +387,55 @@ def test_as_configured_follows_the_configs_mode():
             assert len(plan.as_configured.ranks) == 2
 
 
+def test_the_planner_costs_the_modes_rltpu_train_runs():
+    """Each planned mode is the object ``rltpu train`` runs (the placement it writes selects the same
+    class); its step time is the mode's ``step_seconds`` of the candidate's phases."""
+    from rltpu.config import PlacementConfig
+    from rltpu.control.modes import mode_for
+    from rltpu.plan.candidates import PLANNED
+
+    assert list(PLANNED) == ["disaggregated", "async", "colocated"]
+    for name, mode in PLANNED.items():
+        assert type(mode_for(PlacementConfig(**mode.written()))) is type(mode) and mode.name == name
+    plan = make_plan(load_config(QUICKSTART), "cpu", FAKE_BENCH)
+    for c in plan.feasible:
+        p = c.phases
+        if c.mode == "async":  # sampling overlaps host + train, bounded by the 2 cores' total busy time
+            n_s, n_t = c.sampler_chips // c.chips_per_sampler, c.trainer_fsdp
+            hand = max(p.sample, p.host + p.train, (p.sample * n_s + p.train * n_t) / 2 + p.host) + p.sync
+        else:
+            hand = p.sample + p.host + p.train + p.sync
+        assert p.step == pytest.approx(hand, rel=1e-9), c.name
+
+
+def test_a_mode_added_to_the_planner_is_costed_and_refused_by_its_own_object(monkeypatch):
+    """A new mode is one object: the planner enumerates it, costs its step with its own
+    ``step_seconds`` and leaves it out where its ``refusal`` says so."""
+    from rltpu.config import PlacementConfig
+    from rltpu.control.modes import PlacementMode
+    from rltpu.plan import candidates
+
+    class SlowSync(PlacementMode):
+        name = "slow-sync"
+
+        def refusal(self, cfg):
+            return "not with LoRA" if cfg.trainer.lora is not None else ""
+
+        def step_seconds(self, sample, host, train, sync, **_kw):
+            return sample + host + train + 3 * sync
+
+    monkeypatch.setitem(candidates.PLANNED, "slow-sync", SlowSync(PlacementConfig()))
+    plan = make_plan(load_config(QUICKSTART), "cpu", FAKE_BENCH)
+    mine = [c for c in plan.candidates if c.mode == "slow-sync"]
+    twins = {c.name.replace("disaggregated", "slow-sync"): c for c in plan.candidates if c.mode == "disaggregated"}
+    assert mine and all(c.name in twins for c in mine)
+    for c in mine:
+        t = twins[c.name].phases
+        assert c.phases.step == pytest.approx(t.sample + t.host + t.train + 3 * t.sync, rel=1e-9)
+    lora = make_plan(load_config(QUICKSTART, ["trainer.lora.rank=4"]), "cpu", FAKE_BENCH)
+    assert not [c for c in lora.candidates if c.mode == "slow-sync"]
+
+
 # -- acceptance 3: the HTML report in headless Chromium ----------------------------------------------
 
 def _chromium() -> str | None:

@@ -6,7 +6,9 @@ new mode is one class plus its tests:
   * ``handoff``: how weights reach the samplers (the sync fabric, or in-process);
   * ``step``: the step's shape (sample then train; or train on a rollout drawn earlier);
   * the few records only it knows (what each process holds, how stale a rollout was) and where a
-    failed or interrupted step puts the data cursor back.
+    failed or interrupted step puts the data cursor back;
+  * for ``rltpu plan`` (``planned_modes``): its step time from the phase times (``step_seconds``),
+    whether it can run with a config (``refusal``) and how ``placement:`` writes it (``written``).
 
   disaggregated  samplers and trainers on disjoint chips; weights over the sync fabric (default)
   colocated      one process per trainer chip runs both engines; weights pass in-process
@@ -21,9 +23,9 @@ import time
 import numpy as np
 
 from rltpu.chips.topology import Role
-from rltpu.control.batch import merge_generations
-from rltpu.control.rollouts import Rollout
-from rltpu.control.weights import WeightSync
+
+# the step's parts are imported where a step runs (torch, the sync fabric): ``rltpu plan`` imports
+# this module for the planner's side of each mode only
 
 
 class PlacementMode:
@@ -61,6 +63,8 @@ class PlacementMode:
     def handoff(self, ray, groups, roles: dict, spec, timeout_s: float, deadlines):
         """The weight handoff: ``join()``, ``push(version) -> figures``, ``probe(batch)``,
         ``forget_store()``, ``generation`` and ``sampler_versions``."""
+        from rltpu.control.weights import WeightSync
+
         return WeightSync(ray, groups, roles, spec, timeout_s, deadlines)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -90,6 +94,20 @@ class PlacementMode:
 
     def record_extra(self, ctl, sync: dict | None) -> dict:
         return {}
+
+    # -- planning (rltpu.plan) -------------------------------------------------------------------
+    def written(self) -> dict:
+        """The ``placement:`` keys that select this mode."""
+        return {"mode": self.cfg.mode, "staleness": self.cfg.staleness}
+
+    def refusal(self, cfg) -> str:
+        """Why ``cfg`` cannot run in this mode ("" when it can)."""
+        return ""
+
+    def step_seconds(self, sample: float, host: float, train: float, sync: float, cores: int | None = None,
+                     n_samplers: int = 1, n_trainers: int = 1) -> float:
+        """On-policy: the phases run one after another."""
+        return sample + host + train + sync
 
 
 class ColocatedMode(PlacementMode):
@@ -144,6 +162,8 @@ class AsyncMode(PlacementMode):
     def step(self, ctl) -> dict:
         s = self.cfg.staleness
         t_step = time.perf_counter()
+        from rltpu.control.batch import merge_generations
+
         ctl.phase = "sample"
         q = ctl.rollouts
         last = min(ctl.step_idx + 1 + s, ctl.cfg.trainer.steps)
@@ -166,6 +186,8 @@ class AsyncMode(PlacementMode):
 
     def submit(self, ctl, step: int) -> None:
         """Draw step ``step``'s prompts and hand them to the samplers (returns at once)."""
+        from rltpu.control.rollouts import Rollout
+
         cfg, q = ctl.cfg, ctl.rollouts
         data_before, saved = ctl.data.state_dict(), ctl.draws.pending
         q.submitting, ctl.draws.pending = data_before, []  # an interrupt mid-draw still rewinds to here
@@ -184,6 +206,19 @@ class AsyncMode(PlacementMode):
     def interrupt_cursor(self, ctl, phase: str) -> dict:
         """Before every untrained rollout: a resume draws them again."""
         return ctl.rollouts.untrained_data_state(ctl.data)
+
+    def refusal(self, cfg) -> str:
+        if cfg.trainer.dynamic_sampling:  # a refill round needs the step's own rewards before the next draw
+            return "trainer.dynamic_sampling needs each step's rewards before the next draw"
+        return ""
+
+    def step_seconds(self, sample, host, train, sync, cores=None, n_samplers=1, n_trainers=1) -> float:
+        """Sampling of step k+1 overlaps training of step k; the sync is still exposed. Emulated chips
+        share ``cores``: overlap cannot beat the cores' total busy time."""
+        overlap = max(sample, host + train)
+        if cores:
+            overlap = max(overlap, (sample * n_samplers + train * n_trainers) / cores + host)
+        return overlap + sync
 
 
 class InProcessWeights:
@@ -239,3 +274,11 @@ def mode_for(placement_cfg) -> PlacementMode:
     if placement_cfg.staleness and placement_cfg.mode == "disaggregated":
         return AsyncMode(placement_cfg)
     return MODES[placement_cfg.mode](placement_cfg)
+
+
+def planned_modes() -> dict[str, PlacementMode]:
+    """The modes ``rltpu plan`` costs, by name, each as the planner writes it (async one step stale)."""
+    from rltpu.config import PlacementConfig
+
+    return {m.name: m for m in (PlacementMode(PlacementConfig()), AsyncMode(PlacementConfig(staleness=1)),
+                                ColocatedMode(PlacementConfig(mode="colocated")))}

@@ -6,7 +6,9 @@ Candidates (all over the chips of ``cluster``):
 * async: the same splits, one step off-policy (sampling overlaps training);
 * colocated: one process per chip group holds both roles; both footprints stay resident (a TPU
   has no "sleep mode" to free HBM), FSDP over every chip, sampler TP inside each process;
-plus the placement the config asks for, marked ``as_configured``. Chips come from
+plus the placement the config asks for, marked ``as_configured``. Each mode is the object ``rltpu train``
+runs it with (``rltpu.control.modes``): whether its processes hold both roles, its step time from the
+phase times, what config it refuses, how ``placement:`` writes it. Chips come from
 ``rltpu.chips.topology.assign_roles``, the same function ``rltpu train`` places actors with (costed
 from its per-host counts, ``place_counts``, so a 6,144-chip slice stays cheap). The
 reference model and critic live with the trainer (FSDP-sharded); a reward model is tried on both.
@@ -24,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rltpu.config import ConfigError, PlacementConfig, RunConfig
+from rltpu.control.modes import PlacementMode, mode_for, planned_modes
 from rltpu.plan import costmodel as cm
 from rltpu.plan.continuous import EngineGrid
 from rltpu.plan.hardware import Hardware
@@ -31,13 +34,14 @@ from rltpu.chips.launch import check_real_counts
 from rltpu.chips.topology import (ChipTable, Role, aligned_blocks, assign_roles, place_counts,
                                   unimplemented_parallelism)
 
-MODES = ("disaggregated", "async", "colocated")
+PLANNED = planned_modes()  # name -> the mode object (rltpu.control.modes)
+MODES = tuple(PLANNED)  # disaggregated, async, colocated
 RUNNABLE_MODES = MODES  # `rltpu train` runs all three (placement.mode, placement.staleness)
 
 
 @dataclass
 class Candidate:
-    mode: str
+    mode: str  # a name in MODES; ``placement_mode`` is its object
     sampler_chips: int
     trainer_chips: int
     chips_per_sampler: int
@@ -65,6 +69,10 @@ class Candidate:
     _where: tuple | None = field(default=None, repr=False, compare=False)  # (cfg, table) it was costed on
 
     @property
+    def placement_mode(self) -> PlacementMode:
+        return PLANNED[self.mode]
+
+    @property
     def ranks(self) -> list[dict]:
         """Rank -> chip rows (role, rank, slice, host, chips, coords), laid out by ``assign_roles`` on
         first read: on a 6,144-chip slice only the candidates a report shows pay for one."""
@@ -76,8 +84,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.mode == "colocated":
-            base = f"colocated {self.sampler_chips} chips, {self.chips_per_sampler}/process"
+        if self.placement_mode.shares_processes:
+            base = f"{self.mode} {self.sampler_chips} chips, {self.chips_per_sampler}/process"
         else:
             base = (f"{self.mode} {self.sampler_chips}S(tp{self.chips_per_sampler}) + "
                     f"{self.trainer_chips}T(fsdp{self.trainer_fsdp}xtp{self.chips_per_trainer})")
@@ -92,7 +100,7 @@ class Candidate:
         if self.mode not in RUNNABLE_MODES:
             return f"placement mode {self.mode} is not run by rltpu train"
         return unimplemented_parallelism(self.chips_per_sampler, self.chips_per_trainer, full=False,
-                                         mode="colocated" if self.mode == "colocated" else "disaggregated") \
+                                         mode=self.placement_mode.written()["mode"]) \
             or self.split_refusal or (self.backend_refusal if self.real_chips else "")
 
     @property
@@ -134,7 +142,7 @@ def _placement(c: Candidate, cfg: RunConfig) -> PlacementConfig:
 
 def actor_chips(c: Candidate, cfg: RunConfig, table: ChipTable) -> tuple[list, list]:
     """(sampler actors, trainer actors), each a list of its chips, as ``rltpu train`` places them."""
-    if c.mode == "colocated":
+    if c.placement_mode.shares_processes:
         per = c.chips_per_sampler  # aligned blocks of each host, in host order (as assign_roles does)
         samplers = [table.chips_on(*h)[i:i + per] for h in table.hosts()
                     for i in range(0, len(table.chips_on(*h)) - per + 1, per)][: c.sampler_chips // per]
@@ -144,19 +152,19 @@ def actor_chips(c: Candidate, cfg: RunConfig, table: ChipTable) -> tuple[list, l
 
 
 def rank_table(c: Candidate, samplers: list, trainers: list) -> list[dict]:
-    colocated = c.mode == "colocated"
+    shared = c.placement_mode.shares_processes
     out = []
-    for role, actors in ((Role.SAMPLER, samplers), (Role.TRAINER, [] if colocated else trainers)):
+    for role, actors in ((Role.SAMPLER, samplers), (Role.TRAINER, [] if shared else trainers)):
         for rank, chips in enumerate(actors):
-            out.append({"role": "sampler+trainer" if colocated else role.value, "rank": rank,
+            out.append({"role": "sampler+trainer" if shared else role.value, "rank": rank,
                         "slice": chips[0].slice, "host": chips[0].host,
                         "chips": [ch.global_id for ch in chips], "coords": [list(ch.coords) for ch in chips]})
     return out
 
 
 def _layout_detailed(c: Candidate, samplers: list, trainers: list) -> Layout:
-    colocated = c.mode == "colocated"
-    used = Counter((ch.slice, ch.host) for chs in (samplers if colocated else samplers + trainers) for ch in chs)
+    shared = c.placement_mode.shares_processes
+    used = Counter((ch.slice, ch.host) for chs in (samplers if shared else samplers + trainers) for ch in chs)
     return Layout(
         n_s=len(samplers), n_t=len(trainers), sampler_slices=Counter(chips[0].slice for chips in samplers),
         trainer_slices=[chips[0].slice for chips in trainers],
@@ -170,7 +178,7 @@ def _layout_counts(c: Candidate, cfg: RunConfig, table: ChipTable) -> Layout:
     """The same Layout from ``place_counts`` (runs of hosts): no per-chip objects, so a candidate on
     a 6,144-chip slice costs about as much as one on 16 chips."""
     hosts = table.hosts()
-    if c.mode == "colocated":
+    if c.placement_mode.shares_processes:
         s_runs = t_runs = aligned_blocks(table, c.chips_per_sampler, c.sampler_chips // c.chips_per_sampler)
         cps = cpt = c.chips_per_sampler
     else:
@@ -188,7 +196,7 @@ def _layout_counts(c: Candidate, cfg: RunConfig, table: ChipTable) -> Layout:
         for i in range(first, first + n):
             t_slices += [hosts[i][0]] * a
             t_hosts[hosts[i]] = t_hosts.get(hosts[i], 0) + a * cpt
-            if c.mode != "colocated":
+            if not c.placement_mode.shares_processes:
                 used[i] += a * cpt
     return Layout(n_s=sum(s_slices.values()), n_t=len(t_slices), sampler_slices=s_slices, trainer_slices=t_slices,
                   trainer_hosts=t_hosts, busiest_host=max(used.values(), default=1), tp_crossing=[])
@@ -220,7 +228,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     host (``place_counts``); ``detailed`` (and pinned chip ids) lays out every chip with
     ``assign_roles`` instead and keeps the rank -> chip table. Both give the same figures
     (tests/test_plan_scale.py); the rank table is otherwise built when first read (``ranks``)."""
-    colocated = c.mode == "colocated"
+    shared = c.placement_mode.shares_processes
     if detailed or _pinned(cfg, c):
         samplers, trainers = actor_chips(c, cfg, table)
         lay = _layout_detailed(c, samplers, trainers)
@@ -229,9 +237,9 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         lay = _layout_counts(c, cfg, table)
     c._where = (cfg, table)
     n_s, n_t = lay.n_s, lay.n_t
-    fsdp_chips = c.sampler_chips if colocated else c.trainer_chips
+    fsdp_chips = c.sampler_chips if shared else c.trainer_chips
     c.sampler_tp, c.trainer_fsdp = c.chips_per_sampler, n_t
-    c.trainer_tp = c.chips_per_sampler if colocated else c.chips_per_trainer
+    c.trainer_tp = c.chips_per_sampler if shared else c.chips_per_trainer
     c.split_refusal = split_refusal(m, c.sampler_tp, c.trainer_tp)
 
     # -- memory per chip
@@ -258,13 +266,13 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     reserve = {"runtime": hw.runtime_reserve_bytes}
     grid = w.grid
     if continuous and not c.as_configured:  # the config's slots, halved until the sampler fits beside the rest
-        beside = reserve["runtime"] + (sum(tmem(True, 1.0).values()) if colocated else 0.0)
+        beside = reserve["runtime"] + (sum(tmem(True, 1.0).values()) if shared else 0.0)
         while grid.slots > 1 and sum(sampler_mem(grid).values()) + beside > c.capacity:
             grid = EngineGrid.from_config(cfg.sampler, slots=grid.slots // 2)
     smem = sampler_mem(grid)
     if continuous:
         c.slots, c.kv_pages = grid.slots, grid.pages - 1
-    extra = sum(smem.values()) if colocated else 0.0  # colocated: the sampler stays resident too
+    extra = sum(smem.values()) if shared else 0.0  # shared processes: the sampler stays resident too
     # the cheapest way to fit: whole shard, then checkpointing, then halving the micro-batch
     micro = rows_t
     choice = None
@@ -288,7 +296,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if c.micro_rows < rows_t:
         c.warnings.append(f"trainer micro-batches of {c.micro_rows:g} rows (gradient accumulation over "
                           f"{math.ceil(rows_t / c.micro_rows)}: trainer.micro_batch_tokens={int(c.micro_rows * w.seq)})")
-    if colocated:
+    if shared:
         c.memory = {"sampler+trainer": {**{f"sampler {k}": v for k, v in smem.items()},
                                         **{f"trainer {k}": v for k, v in trainer_mem.items()}, **reserve}}
     else:
@@ -298,7 +306,7 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         role, tot = over[0]
         items = c.memory[role]
         top = sorted(items.items(), key=lambda kv: -kv[1])[:3]
-        what = "colocated footprint" if colocated else f"{role} shard"
+        what = "colocated footprint" if shared else f"{role} shard"
         c.feasible = False
         c.reason = (f"{what} {cm.fmt_bytes(tot)} > {cm.fmt_bytes(c.capacity)} "
                     f"{'RAM per emulated chip' if hw.emulated else 'HBM'} on {hw.name} "
@@ -332,13 +340,14 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
         peak = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu * c.trainer_tp
         train["reward_model"] = 2 * w.reward_params * rows_t * w.seq / peak
     hosts_per_slice = max(1, math.ceil(table.chips_per_slice / table.chips_per_host))
-    c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, colocated, hosts_per_slice)
+    c.route = cm.sync_route(hw, m, w, n_t, t_slices, dict(s_slices), n_s, shared, hosts_per_slice)
     # what TorchTPU/libtpu cannot run on real chips (docs/tpu.md): a backend limit, not memory, so it
     # never touches ``feasible``; it stops the candidate only where the chips are real
     c.real_chips = not table.emulated
     try:
         # trainer TP runs one process per chip (rltpu.chips.topology.trainer_processes)
-        check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host, c.mode)
+        check_real_counts(table.generation, lay.trainer_hosts, table.chips_per_host,
+                          c.placement_mode.written()["mode"])
     except ConfigError as e:
         c.backend_refusal = str(e)
     sample_s = sum(sample.values()) * oversub_s
@@ -356,8 +365,9 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     chips = table.num_chips
     c.phases = cm.Phases(
         sample=sample_s, host=host_s, train=train_s, sync=sync_s,
-        step=cm.step_seconds(c.mode, sample_s, host_s, train_s, sync_s,
-                             cores=hw.cpu["cores"] if hw.emulated else None, n_samplers=n_s, n_trainers=n_t),
+        step=c.placement_mode.step_seconds(sample_s, host_s, train_s, sync_s,
+                                           cores=hw.cpu["cores"] if hw.emulated else None, n_samplers=n_s,
+                                           n_trainers=n_t),
         compile=cm.compile_seconds(hw, m, n_cells, 2 if not hw.emulated else 0),
         detail={"sample": sample, "train": train, "oversubscription": {"sample": oversub_s, "train": oversub_t},
                 "rows_per_sampler_program": rows_s, "rows_per_trainer": rows_t,
@@ -389,6 +399,8 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
     else:
         rm_places = ["sampler", "trainer"] if cfg.planner.reward_model_params else [None]
     out: list[Candidate] = []
+    split = [m.name for m in PLANNED.values() if not m.shares_processes and not m.refusal(cfg)]
+    shared = [m.name for m in PLANNED.values() if m.shares_processes and not m.refusal(cfg)]
 
     def ok_split(n_s: int, n_t: int) -> bool:
         return cfg.trainer.prompts_per_step % n_s == 0 and w_rows % n_t == 0
@@ -403,17 +415,15 @@ def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:
                 if tch < cpt or not ok_split(k // cps, tch // cpt):
                     continue
                 for rm in rm_places:
-                    # async needs each step's rewards only after the next draw: not with DAPO refills
-                    for mode in ("disaggregated",) + (() if cfg.trainer.dynamic_sampling else ("async",)):
+                    for mode in split:  # each mode that runs with this config (PlacementMode.refusal)
                         out.append(Candidate(mode, k, tch, cps, cpt, reward_on=rm))
     reward_group = getattr(cfg.placement, "reward_chips", 0)
     for cpp in sizes if not reward_group else ():  # colocation would overlap the reward group's chips
         if n % cpp == 0 and ok_split(n // cpp, n // cpp):
             for rm in rm_places:
-                out.append(Candidate("colocated", n, n, cpp, cpp, reward_on=rm))
+                out.extend(Candidate(mode, n, n, cpp, cpp, reward_on=rm) for mode in shared)
     p = cfg.placement
-    mode = "colocated" if getattr(p, "mode", "disaggregated") == "colocated" else \
-        "async" if getattr(p, "staleness", 0) else "disaggregated"
+    mode = mode_for(p).name
     mine = [c for c in out if c.mode == mode and
             (c.sampler_chips, c.trainer_chips, c.chips_per_sampler, c.chips_per_trainer) ==
             (p.sampler_chips, p.trainer_chips, p.chips_per_sampler, p.chips_per_trainer)]

@@ -575,18 +575,5 @@ class Phases:
         return asdict(self)
 
 
-def step_seconds(mode: str, sample: float, host: float, train: float, sync: float, cores: int | None = None,
-                 n_samplers: int = 1, n_trainers: int = 1) -> float:
-    """On-policy (disaggregated or colocated): phases run one after another. One-step
-    off-policy: sampling of step k+1 overlaps training of step k; the sync is still exposed.
-    Emulated chips share ``cores``: overlap cannot beat the cores' total busy time."""
-    if mode == "async":
-        overlap = max(sample, host + train)
-        if cores:
-            overlap = max(overlap, (sample * n_samplers + train * n_trainers) / cores + host)
-        return overlap + sync
-    return sample + host + train + sync
-
-
 def fmt_bytes(x: float) -> str:
     return f"{x / GiB:.2f} GiB" if x >= 0.1 * GiB else f"{x / 2**20:.1f} MiB"

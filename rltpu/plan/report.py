@@ -342,7 +342,7 @@ def _timeline(plan: Plan, top: int = 8) -> str:
     for c in cands:
         p = c.phases
         parts.append(f'<text x="4" y="{y + 14}" font-size="11">{html.escape(c.name[:52])}</text>')
-        if c.mode == "async":  # sampling (next step) on its own lane, under train + host
+        if c.placement_mode.written()["staleness"]:  # sampling (next step) on its own lane, under train + host
             lanes = [[("host", p.host), ("train", p.train), ("sync", p.sync)], [("sample", p.sample)]]
         else:
             lanes = [[("sample", p.sample), ("host", p.host), ("train", p.train), ("sync", p.sync)]]

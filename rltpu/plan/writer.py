@@ -27,11 +27,10 @@ def placed_config(plan: Plan) -> dict:
         raise ConfigError(f"no placement that `rltpu train` can run fits on {plan.table.describe()}{only_tp}; "
                           f"see the plan's reasons (more chips, a smaller model or fewer prompts per step)")
     data = plan.cfg.to_dict()
-    data["placement"] = {"mode": "colocated" if c.mode == "colocated" else "disaggregated",
-                         "staleness": 1 if c.mode == "async" else 0,
+    data["placement"] = {**c.placement_mode.written(),  # mode and staleness
                          "sampler_chips": c.sampler_chips, "trainer_chips": c.trainer_chips,
                          "chips_per_sampler": c.chips_per_sampler, "chips_per_trainer": c.chips_per_trainer}
-    if c.mode == "async":  # one step stale: weigh the stale tokens (truncated IS)
+    if c.placement_mode.written()["staleness"]:  # stale rollouts: weigh the stale tokens (truncated IS)
         data["trainer"]["off_policy_correction"] = "tis"
     for k in ("reward_chips", "chips_per_reward", "reward_chip_ids"):  # the reward group stays as configured
         if k in plan.cfg.to_dict()["placement"]:
