@@ -106,5 +106,19 @@ class WeightSync:
         g = self.groups
         t_logits = self._get([t.probe_logits.remote(*batch) for t in g.trainers], "probe", "the trainers' probe")[0]
         s_logits = self._get([s.probe_logits.remote(*batch) for s in g.samplers], "probe", "the samplers' probe")
-        mask = batch[2].astype(bool)
-        return float(max(np.abs(s[mask] - t_logits[mask]).max() for s in s_logits))
+        return float(max(probe_gap(t_logits, s, batch[0], batch[2]) for s in s_logits))
+
+
+def probe_gap(t_logits: np.ndarray, s_out: np.ndarray, tokens: np.ndarray, mask: np.ndarray) -> float:
+    """Max |trainer - sampler| on the probe. A sampler's (R, L, V) logits are compared as they are; an
+    (R, L) answer (vLLM's backend: it hands out logprobs, not logits) holds log p(token j+1 | <= j),
+    compared with the trainer's log-softmax at the same tokens."""
+    mask = mask.astype(bool)
+    if s_out.ndim == 3:
+        return float(np.abs(s_out[mask] - t_logits[mask]).max())
+    z = t_logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    t_tok = np.take_along_axis(lp[:, :-1], tokens[:, 1:, None].astype(np.int64), -1)[..., 0]
+    both = mask[:, :-1] & mask[:, 1:]
+    return float(np.abs(s_out[:, :-1][both] - t_tok[both]).max())

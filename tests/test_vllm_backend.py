@@ -1,0 +1,189 @@
+"""``sampler.backend: vllm`` (rltpu/sampling/vllm_backend.py) against the JAX engine, without Ray.
+
+One vLLM engine (CPU build, in-process) serves every test of the module: its build and vLLM's
+import take most of the module's time. Checkpoints are tiny random Qwen2s written by
+``transformers`` (head_dim 32: vLLM's CPU attention takes no smaller head).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import jax  # noqa: E402
+
+from rltpu.config import ModelConfig, SamplerConfig  # noqa: E402
+from rltpu.models import jax_llama  # noqa: E402
+from rltpu.models.hf.load import load_jax_params  # noqa: E402
+from rltpu.models.hf.tiny import write_tiny_checkpoint  # noqa: E402
+from rltpu.models.spec import param_shapes  # noqa: E402
+from rltpu.sampling.engine import SamplerEngine  # noqa: E402
+
+V = 128
+EOS_NEVER = V + 7  # outside the vocabulary: rows run all their tokens
+LOGP_TOL = 2e-4  # fp32 |vLLM - JAX| per sampled token (measured ~1e-5 on the tiny model)
+PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8, 100, 3, 4, 5, 6, 9], list(range(10, 22))]
+
+
+def _ckpt(root, seed):
+    return write_tiny_checkpoint(root / f"q{seed}", "qwen2", seed=seed, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                 with_tokenizer=False, vocab_size=V)
+
+
+def _torch_params(path) -> dict:
+    """The checkpoint's tensors as torch tensors: what weight sync hands the backend."""
+    from safetensors.torch import load_file
+
+    return {k: v.float() for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from rltpu.sampling.vllm_backend import VllmBackend
+
+    root = tmp_path_factory.mktemp("vllm")
+    paths = [_ckpt(root, 0), _ckpt(root, 1)]
+    mcfg = ModelConfig(path=str(paths[0]))
+    shapes = {k: (s, mcfg.dtype) for k, s in param_shapes(mcfg, V).items()}
+    scfg = SamplerConfig(temperature=1.0, max_new_tokens=16, batch_buckets=(16,), prompt_buckets=(16,),
+                         precompile=False, compile_cache=False)
+    be = VllmBackend(mcfg, scfg, V, 0, EOS_NEVER, shapes)
+    return {"be": be, "paths": paths, "mcfg": mcfg, "scfg": scfg, "shapes": shapes}
+
+
+def _jax_engine(env, path, **overrides):
+    mcfg = ModelConfig(path=str(path))
+    eng = SamplerEngine(mcfg, env["scfg"].model_copy(update=overrides), V, 0, overrides.pop("eos", EOS_NEVER),
+                        env["shapes"])
+    eng.set_params(load_jax_params(mcfg), 0)
+    return eng
+
+
+def _rows(out):
+    return [out["tokens"][r, :out["lengths"][r]].tolist() for r in range(len(out["lengths"]))]
+
+
+def _teacher_logprobs(path, out) -> np.ndarray:
+    """log softmax(logits) of each sampled token, recomputed by the JAX model over prompt + row (T = 1)."""
+    mcfg = ModelConfig(path=str(path))
+    ids = np.concatenate([out["prompt"], out["tokens"]], 1)
+    mask = np.concatenate([out["prompt_mask"], np.arange(out["tokens"].shape[1])[None] < out["lengths"][:, None]], 1)
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    logits = np.asarray(jax.jit(jax_llama.forward, static_argnums=1)(load_jax_params(mcfg), mcfg, ids, pos, mask))
+    lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    P = out["prompt"].shape[1]
+    got = np.take_along_axis(lp[:, P - 1:-1], out["tokens"][..., None].astype(np.int64), -1)[..., 0]
+    return np.where(mask[:, P:], got, 0.0)
+
+
+def test_refuses_to_generate_before_weights(env):
+    be = env["be"]
+    if be.version >= 0:
+        pytest.skip("weights already loaded by an earlier test in this module")
+    with pytest.raises(RuntimeError, match="no weights yet"):
+        be.generate(PROMPTS, 1, seed=0)
+
+
+def test_greedy_parity_with_the_jax_engine_and_set_params_without_restart(env):
+    """Temperature 0: vLLM's tokens equal the JAX engine's, token for token, and their logprobs (at
+    T = 1) agree within LOGP_TOL. New weights through ``set_params`` (the same engine, the same
+    prompts: a stale prefix cache would show) give what a fresh JAX engine on them gives; the old
+    weights again give the first rows back."""
+    be, (a, b) = env["be"], env["paths"]
+    engine = id(be.llm)
+    be.set_params(_torch_params(a), 1)
+    got_a = be.generate(PROMPTS, 1, seed=0, greedy=True)
+    ref_a = _jax_engine(env, a).generate(PROMPTS, 1, seed=0, greedy=True)
+    assert _rows(got_a) == _rows(ref_a) and all(len(r) == 16 for r in _rows(got_a))
+    gap = np.abs(got_a["logprobs"] - ref_a["logprobs"]).max()
+    assert gap <= LOGP_TOL, gap
+    assert got_a["version"] == 1 and got_a["prompt"].shape == (3, 12) and got_a["prompt_mask"].sum() == 26
+
+    be.set_params(_torch_params(b), 2)
+    got_b = be.generate(PROMPTS, 1, seed=0, greedy=True)
+    ref_b = _jax_engine(env, b).generate(PROMPTS, 1, seed=0, greedy=True)
+    assert _rows(got_b) == _rows(ref_b) and _rows(got_b) != _rows(got_a)
+    assert np.abs(got_b["logprobs"] - ref_b["logprobs"]).max() <= LOGP_TOL
+    assert got_b["version"] == 2 and id(be.llm) == engine  # the same engine, no restart
+
+    be.set_params(_torch_params(a), 3)
+    assert _rows(be.generate(PROMPTS, 1, seed=0, greedy=True)) == _rows(got_a)
+
+
+def test_g_samples_seeds_stops_and_sampled_logprobs(env):
+    """G rows per prompt, prompt-major; rows of a prompt differ, the same seed gives the same rows;
+    a stop token ends its row (counted in the length, pad after it); every sampled token's logprob
+    equals the one recomputed over the whole row (the trainer's view) within LOGP_TOL."""
+    be, a = env["be"], env["paths"][0]
+    be.set_params(_torch_params(a), 4)
+    G = 6
+    out = be.generate(PROMPTS, G, seed=11)
+    assert out["tokens"].shape == (len(PROMPTS) * G, 16) and out["logprobs"].dtype == np.float32
+    rows = _rows(out)
+    for i in range(len(PROMPTS)):
+        assert len({tuple(r) for r in rows[i * G:(i + 1) * G]}) > 1  # G different samples
+        assert (out["prompt"][i * G:(i + 1) * G] == out["prompt"][i * G]).all()
+    assert _rows(be.generate(PROMPTS, G, seed=11)) == rows
+    assert _rows(be.generate(PROMPTS, G, seed=12)) != rows
+    teacher = _teacher_logprobs(a, out)
+    assert np.abs(out["logprobs"] - teacher).max() <= LOGP_TOL
+    assert (out["logprobs"][out["tokens"] != 0] < 0).all()
+
+    # a stop id that is among the sampled tokens: rows end at its first occurrence
+    stop = int(np.bincount(out["tokens"][:, :8].ravel(), minlength=V)[1:].argmax()) + 1
+    be.stop_ids = (EOS_NEVER, stop)
+    try:
+        st = be.generate(PROMPTS, G, seed=11)
+    finally:
+        be.stop_ids = (EOS_NEVER,)
+    stopped = 0
+    for r in range(len(st["lengths"])):
+        n = int(st["lengths"][r])
+        row = st["tokens"][r, :n].tolist()
+        assert stop not in row[:-1]
+        if row[-1] == stop:
+            stopped += 1
+        else:
+            assert n == 16
+        assert (st["tokens"][r, n:] == 0).all() and (st["logprobs"][r, n:] == 0).all()
+    assert stopped >= 1
+    assert st["new_tokens"] == int(st["lengths"].sum()) < out["new_tokens"]
+
+
+def test_probe_matches_the_jax_models_token_logprobs(env):
+    """The sync probe's (R, L) token logprobs equal the JAX model's log-softmax at the same tokens."""
+    be, a = env["be"], env["paths"][0]
+    be.set_params(_torch_params(a), 5)
+    tokens = np.zeros((2, 10), np.int64)
+    mask = np.zeros((2, 10), np.int64)
+    tokens[0, :10], mask[0, :10] = np.arange(20, 30), 1
+    tokens[1, :6], mask[1, :6] = [3, 1, 4, 1, 5, 9], 1
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    got = be.probe_logits(tokens, pos, mask)
+    mcfg = ModelConfig(path=str(a))
+    logits = np.asarray(jax_llama.forward(load_jax_params(mcfg), mcfg, tokens, pos, mask), np.float64)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ref = np.take_along_axis(lp[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    valid = (mask[:, 1:] > 0)
+    assert np.abs(got[:, :-1][valid] - ref[valid]).max() <= LOGP_TOL
+    from rltpu.control.weights import probe_gap
+
+    assert probe_gap(logits.astype(np.float32), got, tokens, mask) <= LOGP_TOL
+    assert probe_gap(logits.astype(np.float32) * 1.01, got, tokens, mask) > 1e-3
+
+
+def test_without_vllm_installed_the_error_names_the_fix():
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "from rltpu.sampling.vllm_backend import import_vllm\n"
+            "import_vllm()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    assert res.returncode != 0
+    assert "pip install -e '.[vllm]'" in res.stderr.strip().splitlines()[-1]
