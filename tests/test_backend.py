@@ -62,6 +62,20 @@ def test_precision_changes_torch_and_jax(level, restore_state):
     assert out["jax_matmul_precision"] == {"medium": "bfloat16", "high": "tensorfloat32", "highest": "float32"}[level]
 
 
+def test_precision_before_jax_is_imported_costs_no_jax_import():
+    """A trainer process never imports JAX (its import took 1-4 s of its chip claim): the precision waits
+    in the environment and a later import of JAX still gets it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rltpu.chips import backend; backend.configure_precision('high'); "
+            "print('jax' in sys.modules); import jax; print(jax.config.jax_default_matmul_precision)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "tensorfloat32"]
+
+
 def test_precision_rejects_unknown():
     with pytest.raises(ValueError):
         backend.configure_precision("fast")

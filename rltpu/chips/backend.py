@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -233,9 +234,12 @@ def configure_precision(level: str) -> dict[str, str]:
     if level not in JAX_PRECISION:
         raise ValueError(f"matmul_precision must be one of {sorted(JAX_PRECISION)}, got {level!r}")
     torch.set_float32_matmul_precision(level)
-    import jax  # lazy: importing jax is slow and does not start its backend
+    if "jax" in sys.modules:
+        import jax
 
-    jax.config.update("jax_default_matmul_precision", JAX_PRECISION[level])
+        jax.config.update("jax_default_matmul_precision", JAX_PRECISION[level])
+    else:  # JAX reads it at import: a process that never imports JAX (a trainer) does not pay that import
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = JAX_PRECISION[level]
     return {"matmul_precision": level, "jax_matmul_precision": JAX_PRECISION[level]}
 
 

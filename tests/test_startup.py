@@ -1,0 +1,46 @@
+"""Time to the first step by phase (issue 35): the launch clock and the report's sums, by hand.
+
+The real run's report (trace.json spans and the done line) is checked on the quickstart in
+tests/test_e2e.py::test_first_step_reported_by_phase.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rltpu.observe.startup import STARTUP, actor_waits, first_step_report, report_line
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_launch_time_is_the_process_start_not_the_import():
+    """A child that sleeps 1.5 s before importing the module: its launch lies at least that far back."""
+    code = ("import time; time.sleep(1.5); from rltpu.observe.startup import launch_time; "
+            "print(time.time() - launch_time())")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert 1.5 <= float(res.stdout) < 60, res.stdout
+
+
+def test_first_step_report_adds_up_the_spans():
+    def span(phase, start, end, step=0, actor="controller"):
+        return {"actor": actor, "phase": phase, "start": start, "end": end, "step": step}
+
+    launch = 100.0
+    ctl = [span(p, 100.0 + 2 * i, 102.0 + 2 * i) for i, p in enumerate(STARTUP)]  # 2 s each: 100..114
+    ctl += [span("sample", 114.0, 114.5, 1), span("train", 114.5, 115.25, 1), span("sync", 115.25, 115.5, 1),
+            span("sample", 115.5, 116.0, 2)]  # step 2 is not the first step's
+    actors = [span("compiling", 110.2, 111.9, actor="sampler-0"), span("compiling", 110.1, 111.4, actor="sampler-1"),
+              span("loading", 110.5, 111.0, actor="trainer-0"), span("compiling", 120.0, 125.0, actor="sampler-0")]
+    rep = first_step_report(ctl, actors, launch, 115.5, 1)
+    assert rep["first_step_s"] == pytest.approx(15.5)
+    assert rep["startup_s"] == {p: pytest.approx(2.0) for p in STARTUP}
+    assert rep["step_s"] == {"sample": pytest.approx(0.5), "train": pytest.approx(0.75), "sync": pytest.approx(0.25)}
+    # the slowest sampler's compile and the trainer's load; the later recompile is not start-up's
+    assert rep["actors_s"] == {"compiling": pytest.approx(1.7), "loading": pytest.approx(0.5)}
+    line = report_line(rep)
+    assert line.startswith("first step 15.5 s after launch (imports 2.0, prepare 2.0, ray_start 2.0,")
+    assert "build 2.0 [compile 1.7, load 0.5]" in line and line.endswith("step 1: sample 0.5, train 0.8, sync 0.2)")
+    assert actor_waits([], 1.0) == {"compiling": None, "loading": None}
