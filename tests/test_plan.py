@@ -86,6 +86,23 @@ def test_param_count_matches_the_models_own_shapes(tmp_path, sizes):
     assert shape.params == want
 
 
+def test_param_count_has_the_biases_and_qk_norms(tmp_path):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms, by hand: the planner counts every tensor
+    the trainer holds (it counts them through ``param_shapes`` alone)."""
+    H, I, L, heads, kv, V = 64, 128, 3, 4, 2, 50
+    hd = H // heads
+    base = llama_params(H, I, L, heads, kv, V, tied=False)
+    sizes = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=heads,
+                 num_key_value_heads=kv, vocab_size=V)
+    qwen2 = cm.model_shape(load_config(write_cfg(tmp_path, "q2", model={**sizes, "attention_bias": True})))
+    assert qwen2.params == base + L * (heads * hd + 2 * kv * hd)
+    assert qwen2.matmul_params == L * (2 * H * heads * hd + 2 * H * kv * hd + 3 * H * I) + V * H
+    qwen3 = cm.model_shape(load_config(write_cfg(tmp_path, "q3", model={**sizes, "qk_norm": True,
+                                                                        "attention_out_bias": True})))
+    assert qwen3.params == base + L * (2 * hd + H)
+    assert qwen3.layer_params == (base - 2 * V * H - H) // L + 2 * hd + H
+
+
 def test_hf_config_json_gives_the_sizes(tmp_path):
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps({**LLAMA_8B, "architectures": ["LlamaForCausalLM"]}))

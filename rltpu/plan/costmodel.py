@@ -139,10 +139,13 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         missing = [k for k in keys if k not in hf]
         if missing:
             raise ConfigError(f"planner.hf_config={str(p)!r} lacks {missing[0]}; is it a Llama-style config.json?")
-        heads = hf["num_attention_heads"]
+        heads, family, bias = hf["num_attention_heads"], hf.get("model_type"), bool(hf.get("attention_bias"))
         return ModelShape(hf["num_hidden_layers"], hf["hidden_size"], hf["intermediate_size"], heads,
                           hf.get("num_key_value_heads", heads), hf.get("head_dim") or hf["hidden_size"] // heads,
-                          hf.get("vocab_size", 32000), bool(hf.get("tie_word_embeddings", False)), m.dtype)
+                          hf.get("vocab_size", 32000), bool(hf.get("tie_word_embeddings", False)), m.dtype,
+                          # the biases and norms as rltpu.models.hf.config reads each family
+                          attention_bias=bias or family == "qwen2",
+                          attention_out_bias=bias and family not in ("qwen2", "mistral"), qk_norm=family == "qwen3")
     vocab = m.vocab_size
     if vocab is None:
         from rltpu.data.char_tokenizer import CharTokenizer
