@@ -4,7 +4,7 @@ prompt + completion.
 The network is the policy's decoder with a ``score`` head (``learner.critic.LlamaForValue``, the same
 ``model.*`` + ``score.weight`` names HF uses), loaded by name from the directory's safetensors.
 The score of a row is the head's output at its last real token (where HF pools too: the rightmost
-non-pad token). Testable without Ray; ``actors/reward_actor.py`` only forwards to it.
+non-pad token). Testable without Ray; ``actors/reward_model_actor.py`` only forwards to it.
 """
 
 from __future__ import annotations

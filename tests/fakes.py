@@ -351,7 +351,7 @@ class FakeActors:
 
     def _spawned_by_a_pool(self, handle: FakeHandle) -> None:
         """Reward workers (the real class, in process) are keyed ``reward-worker-<slot>``, newest first."""
-        if handle._key == "RewardWorker":
+        if handle._key == "RewardFnWorker":
             handle._key = key = f"reward-worker-{handle._obj.rank}"
             self.handles[key] = handle
             self.spawned.append(key)

@@ -15,12 +15,12 @@ import pytest
 
 from actors.colocated_actor import ColocatedActor
 from actors.env_worker import EnvWorker
-from actors.reward_actor import RewardActor
+from actors.reward_model_actor import RewardModelActor
 from actors.sampler_actor import SamplerActor
 from actors.trainer_actor import TrainerActor
 from rltpu.config import RunConfig, Sections, load_config, sections_of
 
-ACTORS = [SamplerActor, TrainerActor, ColocatedActor, RewardActor, EnvWorker]
+ACTORS = [SamplerActor, TrainerActor, ColocatedActor, RewardModelActor, EnvWorker]
 
 
 def _cfg_reads(source: str) -> set[str]:

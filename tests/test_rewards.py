@@ -3,7 +3,7 @@ failures, kill-and-replace of a hung or dead worker, the failure-fraction stop, 
 a greedy evaluation that gives the same figures twice on fixed weights.
 
 The pool is driven through an in-process stand-in for ``RayRewardWorkers`` whose workers are the
-real ``actors.reward_worker.RewardWorker`` objects, so the actor's code runs too.
+real ``actors.reward_fn_worker.RewardFnWorker`` objects, so the actor's code runs too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from actors.reward_worker import RewardWorker
+from actors.reward_fn_worker import RewardFnWorker
 from rltpu.config import ConfigError, TaskConfig, load_config
 from rltpu.control.evaluation import eval_metrics, pass_at_k
 from rltpu.control.rewards import RewardFailureError, RewardPool
@@ -55,7 +55,7 @@ class LocalWorkers:
 
     def spawn(self, slot, incarnation):
         h = SimpleNamespace(slot=slot, incarnation=incarnation, killed=threading.Event(),
-                            worker=RewardWorker(slot, self.fn_path, {}, task.reward_timeout_s,
+                            worker=RewardFnWorker(slot, self.fn_path, {}, task.reward_timeout_s,
                                                 task.reward_concurrency))
         self.spawned.append(h)
         return h

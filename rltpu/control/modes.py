@@ -39,11 +39,11 @@ class PlacementMode:
 
     # -- processes ---------------------------------------------------------------------------------
     def actor_classes(self) -> dict:
-        from actors.reward_actor import RewardActor
+        from actors.reward_model_actor import RewardModelActor
         from actors.sampler_actor import SamplerActor
         from actors.trainer_actor import TrainerActor
 
-        return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardActor}
+        return {Role.TRAINER: TrainerActor, Role.SAMPLER: SamplerActor, Role.REWARD: RewardModelActor}
 
     def trainer_tp(self) -> int:
         """Trainer processes per tensor-parallel group (``placement.chips_per_trainer``)."""

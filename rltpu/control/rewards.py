@@ -66,10 +66,10 @@ class RayRewardWorkers:
         self.env = driver_env() if env is None else env
 
     def spawn(self, slot: int, incarnation: int):
-        from actors.reward_worker import RewardWorker
+        from actors.reward_fn_worker import RewardFnWorker
 
         t = self.task
-        return self.ray.remote(RewardWorker).options(
+        return self.ray.remote(RewardFnWorker).options(
             name=f"rltpu-reward-worker-{slot}-{os.getpid()}-{incarnation}", num_cpus=0,
             max_concurrency=8,  # chunks of several samplers share the worker's call threads
             runtime_env={"env_vars": self.env | {"OMP_NUM_THREADS": "1"}},

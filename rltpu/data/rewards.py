@@ -7,7 +7,7 @@ functions, weighted (TRL's ``reward_funcs`` + ``reward_weights``): ``task.reward
 kwargs}, ...]``, run as one call of :func:`weighted_sum`. A verl ``compute_score(data_source,
 solution_str, ground_truth, extra_info)`` runs through :func:`verl_score`.
 
-``DeadlineRunner`` is what a reward worker (``actors/reward_worker.py``) runs the function with:
+``DeadlineRunner`` is what a reward worker (``actors/reward_fn_worker.py``) runs the function with:
 calls overlap on threads, each under ``task.reward_timeout_s``; a call that raises, returns a
 non-finite number or misses its deadline is reported as such (the driver scores it
 ``task.reward_default`` and counts it), never raised.

@@ -6,14 +6,14 @@ from rltpu.observe.health import Heartbeat
 from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
 
-class RewardActor:
+class RewardModelActor:
     # what this process reads of the run config (``rltpu.config.sections_of``); nothing else is sent
     SECTIONS = ("cluster.generation", "backend", "reward_model")
 
     def __init__(self, rank: int, sections: dict):
         from rltpu.config import Sections
 
-        self.cfg = Sections.read(sections, "RewardActor.SECTIONS")
+        self.cfg = Sections.read(sections, "RewardModelActor.SECTIONS")
         self.rt = ProcessRuntime("reward", rank, self.cfg.cluster.generation, self.cfg.backend)
         self.engine = None
         self.hb = Heartbeat("reward", rank)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 
-class RewardWorker:
+class RewardFnWorker:
     def __init__(self, rank: int, fn_path: str, kwargs: dict, timeout_s: float, concurrency: int):
         from rltpu.data.rewards import DeadlineRunner, load_reward_fn
 
