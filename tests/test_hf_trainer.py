@@ -174,3 +174,20 @@ def test_model_impl_config_errors_are_one_line(ckpts, tmp_path):
     c = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k != "num_hidden_layers"}))
     assert "num_hidden_layers" in err(f"model.path={bad}", "trainer.model_impl=hf")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_sync_spec_of_a_transformers_only_model_is_the_trainers_own(ckpts, arch):
+    """Weight sync sends what ``param_spec`` lists: for ``architecture: other`` it is read off a meta
+    build, and names and shapes (adapters too) are the trainer model's parameters, in its order."""
+    from rltpu.sync.collective import param_spec
+
+    lora = LoraConfig(rank=4, target_modules=("q_proj", "o_proj"))
+    cfg = RunConfig.model_validate({"model": {"path": str(ckpts[arch])},
+                                    "trainer": {**TCFG, "model_impl": "hf", "lora": lora.model_dump()}})
+    eng = TrainerEngine(cfg.model, cfg.trainer, V, SEED, TEMP)
+    have = {n: tuple(p.shape) for n, p in eng.model.named_parameters()}
+    spec = param_spec(cfg.model, V, cfg.trainer.lora)
+    assert sorted(n for n, _, _ in spec) == sorted(have)
+    assert all(have[n] == s and d == "float32" for n, s, d in spec)
+    assert sum(n.endswith(".lora_A.weight") for n, _, _ in spec) == 2 * 2  # 2 layers x q_proj, o_proj

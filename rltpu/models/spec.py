@@ -66,12 +66,16 @@ def is_adapter(name: str) -> bool:
     return name.endswith(LORA_SUFFIXES)
 
 
-def lora_shapes(cfg: "ModelConfig", lora: Any, vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+def lora_shapes(cfg: "ModelConfig", lora: Any, vocab_size: int | None = None,
+                base: dict[str, tuple[int, ...]] | None = None) -> dict[str, tuple[int, ...]]:
     """Adapter name -> shape for ``lora`` (a ``LoraConfig``): per targeted projection ``W [out, in]``,
     ``lora_A [rank, in]`` and ``lora_B [out, rank]`` (PEFT's names and layout), in state-dict order.
-    ``lm_head`` counts only where the model has one (untied embeddings)."""
+    ``lm_head`` counts only where the model has one (untied embeddings). ``base``: the model's own
+    name -> shape (a transformers model of another family), else ``param_shapes``."""
     out: dict[str, tuple[int, ...]] = {}
-    for name, shape in param_shapes(cfg, vocab_size).items():
+    for name, shape in (base if base is not None else param_shapes(cfg, vocab_size)).items():
+        if not (name.startswith("model.layers.") or name == "lm_head.weight"):
+            continue
         if not name.endswith(".weight") or len(shape) != 2:
             continue
         module = name[: -len(".weight")]

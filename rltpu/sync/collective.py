@@ -58,9 +58,14 @@ def param_spec(model_cfg, vocab_size: int, lora=None) -> ParamSpec:
     ``model.dtype``); with ``lora`` (a ``LoraConfig``) the adapters follow the base: a full sync."""
     from rltpu.models.spec import lora_shapes, param_shapes
 
-    shapes = param_shapes(model_cfg, vocab_size)
+    if getattr(model_cfg, "architecture", None) == "other":  # trainer.model_impl=hf: transformers' own names
+        from rltpu.models.hf.auto import param_shapes_of
+
+        shapes = dict(param_shapes_of(model_cfg.path))
+    else:
+        shapes = param_shapes(model_cfg, vocab_size)
     if lora is not None:
-        shapes |= lora_shapes(model_cfg, lora, vocab_size)
+        shapes |= lora_shapes(model_cfg, lora, vocab_size, base=shapes)
     return [(k, tuple(shape), model_cfg.dtype) for k, shape in shapes.items()]
 
 
