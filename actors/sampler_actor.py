@@ -3,6 +3,8 @@ engine by default), receives weights from the trainers over the sync fabric."""
 
 from __future__ import annotations
 
+import os
+
 from rltpu.observe.health import Heartbeat
 from rltpu.chips.runtime import ProcessRuntime, ray_identity
 
@@ -48,8 +50,14 @@ class SamplerActor:
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
+            if self.cfg.sampler.backend == "vllm":  # vLLM shards over the chips itself; on real TPUs its TPU build
+                if self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":
+                    os.environ["VLLM_TARGET_DEVICE"] = "tpu"  # else rltpu.sampling.vllm_backend picks its CPU build
+                devices = max(len(self.rt.chips), 1)
+            else:
+                devices = self._devices()
             self.engine = build_backend(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
-                                        devices=self._devices(), lora=self.cfg.trainer.lora)
+                                        devices=devices, lora=self.cfg.trainer.lora)
             return self.engine.precompile() if self.cfg.sampler.precompile else []
 
     def _devices(self):
@@ -87,7 +95,9 @@ class SamplerActor:
             except Exception:
                 self.rt.fabric.close()
                 raise
-            if getattr(self.engine, "mesh", None) is not None:  # tensor parallel: each device receives its slice
+            if getattr(self.engine, "takes_torch", False):  # vLLM: loads the torch tensors into its own weights
+                params, put, zero = tensors, 0, 0
+            elif getattr(self.engine, "mesh", None) is not None:  # tensor parallel: each device receives its slice
                 params, put = device_put_params(tensors, self.engine.param_shardings)
                 zero = 0
             elif self.rt.decision is not None and self.rt.decision.jax_platforms == "tpu":

@@ -458,6 +458,10 @@ class SamplerConfig(_Section):
     program. Defaults are powers of two; a request is padded into the smallest cell that fits.
     """
 
+    # the rollout backend (docs/backends.md): "jax" = the compiled JAX engine (logprob parity with the
+    # trainer, zero steady compiles); "vllm" = vLLM's LLM from model.path (any architecture vLLM runs; its own
+    # kernels, the sampler-vs-trainer gap measured per step as logp_gap); needs pip install -e '.[vllm]'
+    backend: Literal["jax", "vllm"] = "jax"
     group_size: int = Field(8, ge=2)  # G completions per prompt (GRPO needs >= 2)
     temperature: float = Field(1.0, ge=0)  # 0 = greedy (argmax); logprobs are then those at T=1
     # nucleus sampling: keep the smallest set of tokens with this much mass (1: off)
@@ -825,6 +829,7 @@ class RunConfig(_Section):
         if self.trainer.lora is not None:
             _check_lora(self)
         _check_model_impl(self)
+        _check_sampler_backend(self)
         if self.env is not None:
             _check_env(self)
         elif self.task.name in ("calc", "guess", "lookup") and self.task.dataset is None:
@@ -906,6 +911,35 @@ def _check_model_impl(cfg: "RunConfig") -> None:
     if cfg.placement.chips_per_trainer > 1:
         raise ValueError("trainer.model_impl=hf with placement.chips_per_trainer > 1 is not supported (no tensor "
                          "parallelism for transformers' models yet); set chips_per_trainer=1 or model_impl=native")
+
+
+def _check_sampler_backend(cfg: "RunConfig") -> None:
+    """What ``sampler.backend=vllm`` needs and does not run with, one line each, before Ray starts."""
+    s = cfg.sampler
+    if s.backend == "jax":
+        if cfg.model.architecture == "other":
+            raise ValueError(f"model.path {cfg.model.path} holds an architecture the JAX sampler does not implement "
+                             f"(it has llama, qwen2, qwen3, mistral); set sampler.backend=vllm")
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("sampler.backend=vllm but vLLM is not installed: pip install -e '.[vllm]' (vLLM's CPU "
+                         "build; on TPUs vLLM's TPU build, docs/backends.md) or set sampler.backend=jax")
+    if cfg.model.path is None:
+        raise ValueError("sampler.backend=vllm builds its model from model.path (a Hugging Face checkpoint "
+                         "directory, e.g. one from `rltpu tiny-checkpoint`); set model.path or sampler.backend=jax")
+    if cfg.placement.mode == "colocated":
+        raise ValueError("sampler.backend=vllm with placement.mode=colocated is not supported (vLLM's CPU build has "
+                         "no sleep mode to free its memory between phases); use placement.mode=disaggregated or "
+                         "sampler.backend=jax")
+    if cfg.trainer.lora is not None:
+        raise ValueError("sampler.backend=vllm takes full weights only (no adapter sync yet); remove trainer.lora "
+                         "or set sampler.backend=jax")
+    if s.temperature not in (0.0, 1.0) and (s.top_k or s.top_p < 1):
+        raise ValueError(f"sampler.backend=vllm returns logprobs before temperature or after top-k/top-p, never "
+                         f"softmax(logits/T) before them as the trainer scores: with temperature={s.temperature} "
+                         f"set top_k=0 and top_p=1 (or temperature=1)")
 
 
 def _check_lora(cfg: "RunConfig") -> None:

@@ -187,3 +187,35 @@ def test_without_vllm_installed_the_error_names_the_fix():
                          env=os.environ | {"JAX_PLATFORMS": "cpu"})
     assert res.returncode != 0
     assert "pip install -e '.[vllm]'" in res.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"placement": {"mode": "colocated", "sampler_chips": 2, "trainer_chips": 2}}, "placement.mode=disaggregated"),
+    ({"trainer": {"lora": {"rank": 4}}}, "remove trainer.lora"),
+    ({"sampler": {"temperature": 0.7, "top_k": 5}}, "set top_k=0 and top_p=1"),
+    ({"model": {"path": None}}, "set model.path"),
+])
+def test_config_refuses_what_the_vllm_backend_does_not_run(tmp_path, overrides, needle):
+    from rltpu.config import ConfigError, RunConfig
+
+    path = _ckpt(tmp_path, 0)
+    data = {"model": {"path": str(path)}, "sampler": {"backend": "vllm"}}
+    for k, v in overrides.items():
+        data[k] = data.get(k, {}) | v
+    if data["model"]["path"] is None:
+        data["model"] = {}
+    with pytest.raises((ConfigError, ValueError)) as err:
+        RunConfig.model_validate(data)
+    assert needle in str(err.value)
+    RunConfig.model_validate({"model": {"path": str(path)}, "sampler": {"backend": "vllm", "temperature": 0.7}})
+
+
+def test_config_without_vllm_installed_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    from rltpu.config import RunConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[vllm\]'"):
+        RunConfig.model_validate({"model": {"path": str(_ckpt(tmp_path, 0))}, "sampler": {"backend": "vllm"}})

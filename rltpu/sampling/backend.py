@@ -46,7 +46,14 @@ class RolloutBackend(Protocol):
 
 def build_backend(model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict,
                   devices=None, lora=None) -> RolloutBackend:
-    """The backend a sampler runs: today the compiled JAX engine (``rltpu.sampling.engine``)."""
+    """The backend ``sampler.backend`` names: the compiled JAX engine (``rltpu.sampling.engine``), or
+    vLLM (``rltpu.sampling.vllm_backend``; ``devices`` then only counts its chips: vLLM's tensor parallel
+    size)."""
+    if getattr(sampler_cfg, "backend", "jax") == "vllm":
+        from rltpu.sampling.vllm_backend import VllmBackend
+
+        tp = devices if isinstance(devices, int) else len(devices) if devices else 1
+        return VllmBackend(model_cfg, sampler_cfg, vocab_size, pad_id, eos_id, param_shapes, tp=tp)
     from rltpu.sampling.engine import SamplerEngine
 
     return SamplerEngine(model_cfg, sampler_cfg, vocab_size, pad_id, eos_id, param_shapes, devices=devices, lora=lora)
