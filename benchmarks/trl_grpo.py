@@ -22,7 +22,9 @@ GRPO with the same settings: KL coefficient 0 (no reference model), one update p
   ``step_s`` / ``sample_s`` / ``train_s`` from its ``metrics.jsonl``, ``trainer_busy_s`` the trainer's own
   ``train_step`` seconds;
 * time to first step: from the process's launch to the end of the first step (TRL: the callback; rltpu:
-  the first ``metrics.jsonl`` line), so imports, Ray, compilation and loading are all in it.
+  the first ``metrics.jsonl`` line), so imports, Ray, compilation and loading are all in it; rltpu's
+  ``startup_s`` splits it by phase (its ``trace.json``) and ``compiling`` says how many sampler programs
+  came from the persistent compile cache (the user's own, shared by runs: a rerun is warm).
 
 Step figures are medians over steps 2..N. The load average is recorded before and after each system
 (the machine may be shared: compare runs only at similar load). Prints one JSON document and writes
@@ -213,7 +215,35 @@ def run_rltpu(cfg: dict, work: Path) -> dict:
     keep = ("step_s", "sample_s", "train_s", "sync_s", "trainer_busy_s", "sampler_busy_s", "response_len",
             "micro_batches", "train_padding_frac")
     return {"first_step_s": first, "wall_s": wall, "steps": [{k: r.get(k) for k in keep} for r in recs],
+            "startup_s": startup_phases(run_dir / "trace.json"), "compiling": compiling(run_dir / "placement.json"),
             "summary": [line for line in (out + err).splitlines() if "step" in line.lower()][-3:]}
+
+
+def compiling(placement: Path) -> dict:
+    """The samplers' programs built at start-up and how many came from the persistent compile cache
+    (the user's cache is shared by runs: a rerun of the same shapes loads instead of compiling)."""
+    try:
+        return json.loads(placement.read_text()).get("compiling", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def startup_phases(trace: Path) -> dict:
+    """The driver's start-up spans of ``trace.json`` (``rltpu.observe.startup.STARTUP``) and the first
+    step's phases, in seconds from the launch; {} when the run wrote none."""
+    from rltpu.observe.startup import STARTUP
+
+    try:
+        events = json.loads(trace.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    pid = next((e["pid"] for e in events if e["ph"] == "M" and e["args"]["name"].startswith("controller")), None)
+    out: dict = {}
+    for e in events:
+        if e["ph"] == "X" and e["pid"] == pid and (e["name"] in STARTUP or e["args"].get("step") == 1):
+            key = e["name"] if e["name"] in STARTUP else f"step1_{e['name']}"
+            out[key] = round(out.get(key, 0.0) + e["dur"] / 1e6, 2)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +318,9 @@ def main() -> int:
             st = r["steps"][1:]
             res["rltpu"] = {k: med([s[k] for s in st]) for k in ("step_s", "sample_s", "train_s", "sync_s",
                                                                   "trainer_busy_s")}
-            res["rltpu"] |= {"first_step_s": round(r["first_step_s"], 2), "wall_s": round(r["wall_s"], 1),
+            res["rltpu"] |= {"first_step_s": round(r["first_step_s"], 2), "startup_s": r["startup_s"],
+                             "compiling": r["compiling"],
+                             "wall_s": round(r["wall_s"], 1),
                              "mean_completion_len": round(statistics.fmean(s["response_len"] for s in r["steps"]), 1),
                              "config": cfg, "raw_steps": r["steps"], "loadavg_before": load0,
                              "loadavg_after": list(os.getloadavg())}
