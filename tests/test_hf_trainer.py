@@ -191,3 +191,22 @@ def test_sync_spec_of_a_transformers_only_model_is_the_trainers_own(ckpts, arch)
     assert sorted(n for n, _, _ in spec) == sorted(have)
     assert all(have[n] == s and d == "float32" for n, s, d in spec)
     assert sum(n.endswith(".lora_A.weight") for n, _, _ in spec) == 2 * 2  # 2 layers x q_proj, o_proj
+
+
+def test_ppo_critic_on_a_transformers_body_fits_returns_and_checkpoints(ckpts, tmp_path):
+    """PPO's value model on Gemma 3's decoder (``HFValue``: ``model.*`` + a zero ``score`` head)."""
+    from rltpu.config import CriticConfig
+    from test_ppo import G, ppo_batch
+
+    mcfg, tcfg = ModelConfig(path=str(ckpts["gemma3"])), TrainerConfig(lr=1e-2, algorithm="ppo", model_impl="hf")
+    ccfg = CriticConfig(lr=3e-3, value_clip=None, gae_lambda=0.95)
+    eng = TrainerEngine(mcfg, tcfg, V, SEED, TEMP, critic_cfg=ccfg)
+    assert type(eng.critic).__name__ == "HFValue" and eng.critic.model.embed_tokens.weight.shape[1] == 32
+    batch = ppo_batch(eng, np.linspace(0, 1, 2 * G).astype(np.float32))
+    assert np.abs(batch["old_values"]).max() == 0  # the head starts at zero
+    errs = [(s := eng.train_step(batch))["value_sq_err_sum"] / s["tokens"] for _ in range(15)]
+    assert errs[-1] < 0.5 * errs[0], errs
+    ck = eng.save_checkpoint(tmp_path / "ck", {})
+    fresh = TrainerEngine(mcfg, tcfg, V, SEED, TEMP, critic_cfg=ccfg)
+    fresh.load_checkpoint(ck)
+    np.testing.assert_array_equal(fresh.values(batch), eng.values(batch))
