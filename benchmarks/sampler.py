@@ -37,6 +37,11 @@ model's next-token distribution is near uniform, so a stop set of V/64 ids (16 o
 quickstart-size model, whose vocabulary is raised from 17 for this; 128 of 8,192 on the 20M one)
 ends a row with probability ~1/64 per token: geometric lengths, mean ~64, capped at 512.
 
+--rltpu-vllm [--models 0.8M] [--cells fixed64,longtail64] [--reps 3]: rltpu's vLLM backend
+(``sampler.backend: vllm``) against the same in-process vLLM engine called alone with the very requests
+the backend makes (G = 8 samples per prompt): the orchestration's share of the generate time
+(issue 31: <= 10%). Needs the ``vllm`` extra in this venv (``make setup`` installs it).
+
 Other processes on the machine disturb CPU timings; every timed call records the CPU other
 processes used meanwhile, and a disturbed warm call is repeated (counts in the JSON).
 Where the decode time goes: benchmarks/sampler_profile.py (ablations of the compiled program).
@@ -1035,6 +1040,128 @@ def vs_main(args) -> int:
     return 0
 
 
+# --rltpu-vllm: rltpu's vLLM backend (sampler.backend=vllm) beside the same vLLM engine called alone (issue 31)
+
+RV_G = 8  # rows per prompt, as a GRPO sampler asks them
+
+
+def rv_model(name: str, ckpt: Path, args) -> dict:
+    """Each cell on one checkpoint, one in-process vLLM engine (vllm.LLM, the .venv's vllm extra):
+    "vllm" = ``LLM.generate`` of exactly the requests rltpu's backend makes (n=G per prompt, the same
+    seeds, sampled-token logprobs), "rltpu-vllm" = ``VllmBackend.generate`` (those requests built from
+    token lists, plus the rows assembled into the JAX engine's arrays). Same engine, same seeds: both
+    produce the same tokens (checked), so the difference is rltpu's orchestration alone."""
+    from rltpu.config import ModelConfig
+    from rltpu.models.hf.load import load_jax_params
+    from rltpu.sampling.vllm_backend import VllmBackend
+    from vllm.inputs import TokensPrompt
+
+    cfg = ModelConfig(path=str(ckpt))
+    params = {k: torch.from_numpy(np.asarray(v)) for k, v in load_jax_params(cfg).items()}
+    shapes = {k: (tuple(v.shape), "float32") for k, v in params.items()}
+    cells = [c for c in VS_CELLS if f"{c[0]}{c[1]}" in args.cells and c[1] >= RV_G]
+    rows_max = max(rows for _, rows in cells)
+    scfg = SamplerConfig(group_size=RV_G, temperature=1.0, max_new_tokens=VS_LONG, batch_buckets=(rows_max,),
+                         prompt_buckets=(32,))
+    t0 = time.perf_counter()
+    be = VllmBackend(cfg, scfg, VS_VOCAB, VS_PAD, VS_EOS, shapes)
+    be.set_params(params, 0)
+    load_s = time.perf_counter() - t0
+    be.generate(_vs_prompts(2, 99), RV_G, 0, max_new_tokens=16)  # warm
+    log(f"{name}: vLLM backend built and loaded in {load_s:.1f} s")
+
+    def call(system: str, mode: str, prompts, seed: int) -> dict:
+        n_new = VS_FIXED if mode == "fixed" else VS_LONG
+        be.stop_ids = (VS_VOCAB,) if mode == "fixed" else (VS_EOS,)  # fixed: a stop id outside the vocabulary
+        with _Timed(None) as t:
+            if system == "rltpu-vllm":
+                out = be.generate(prompts, RV_G, seed, max_new_tokens=n_new)
+                rows = [out["tokens"][i, :n].tolist() for i, n in enumerate(out["lengths"])]
+                extra = {"engine_s": r(out["program_seconds"], 4), "host_s": r(out["host_seconds"], 4)}
+            else:
+                reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+                outs = be.llm.generate(reqs, [be._params(i, RV_G, seed, False, n_new) for i in range(len(prompts))],
+                                       use_tqdm=False)
+                rows = [list(c.token_ids) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+                extra = {}
+        lengths = np.array([len(x) for x in rows])
+        if mode == "fixed":
+            assert (lengths == n_new).all(), f"{system}: fixed-length rows stopped early"
+        return {"wall_s": t.wall, "tokens": int(lengths.sum()), "rows_hash": hash(str(rows)),
+                "foreign_cores": t.foreign_cores, **extra}
+
+    out_cells, seed = {}, 1
+    for mode, rows in cells:
+        prompts = _vs_prompts(rows // RV_G, 2000 + rows)
+        load0 = list(os.getloadavg())
+        calls = {s: [] for s in RV_SYSTEMS}
+        for rep in range(args.reps):
+            order = RV_SYSTEMS if rep % 2 == 0 else RV_SYSTEMS[::-1]
+            pair = [call(s, mode, prompts, seed) for s in order]
+            assert pair[0]["rows_hash"] == pair[1]["rows_hash"], "the backend and vLLM alone sampled different rows"
+            for s, c in zip(order, pair):
+                calls[s].append(c)
+            seed += 1
+        res = {s: {"tokens_per_s": r(median([c["tokens"] / c["wall_s"] for c in cs]), 1),
+                   "median_wall_s": r(median([c["wall_s"] for c in cs]), 4),
+                   "calls": [{k: (r(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "rows_hash"}
+                             for c in cs]} for s, cs in calls.items()}
+        over = res["rltpu-vllm"]["median_wall_s"] / res["vllm"]["median_wall_s"] - 1
+        out_cells[f"{mode}_b{rows}"] = {"mode": mode, "rows": rows, "prompts": rows // RV_G, "g": RV_G,
+                                         "new_tokens": VS_FIXED if mode == "fixed" else VS_LONG,
+                                         "orchestration_overhead": r(over, 4), "loadavg_before": load0,
+                                         "loadavg_after": list(os.getloadavg()), "systems": res}
+        log(f"{name} {mode} b{rows}: vLLM {res['vllm']['median_wall_s']:.3f} s, rltpu-with-vLLM "
+            f"{res['rltpu-vllm']['median_wall_s']:.3f} s ({over:+.1%})")
+    return {"params": int(sum(v.numel() for v in params.values())), "load_s": r(load_s, 1),
+            "checkpoint": dict(VS_MODELS[name]) | {"vocab": VS_VOCAB, "arch": "qwen2", "dtype": "float32"},
+            "cells": out_cells}
+
+
+RV_SYSTEMS = ("vllm", "rltpu-vllm")
+
+
+def rv_main(args) -> int:
+    import subprocess
+    import tempfile
+
+    import vllm
+
+    from rltpu.models.hf.tiny import write_tiny_checkpoint
+
+    t_start = time.perf_counter()
+    args.cells = set(args.cells.split(","))
+    workdir = Path(tempfile.mkdtemp(prefix="rltpu-vllm-backend-"))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    env = {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "commit": commit,
+           "loadavg_start": list(os.getloadavg()), "quiet_wait_start": wait_for_quiet(30)}
+    models = {}
+    for name in args.models.split(","):  # one model per run is the clean setup: one vllm.LLM per process
+        ckpt = write_tiny_checkpoint(workdir / name, "qwen2", vocab_size=VS_VOCAB, with_tokenizer=False,
+                                     max_position_embeddings=256, init_std=0.02, seed=0, **VS_MODELS[name])
+        models[name] = rv_model(name, ckpt, args)
+    env["loadavg_end"] = list(os.getloadavg())
+    accept = {f"{n} {k}": {"overhead": c["orchestration_overhead"], "met": c["orchestration_overhead"] <= 0.10}
+              for n, m in models.items() for k, c in m["cells"].items()}
+    doc = {"benchmark": "rltpu's vLLM backend (sampler.backend=vllm) vs the same vLLM engine alone; wall s per call",
+           "command": " ".join([".venv/bin/python", "benchmarks/sampler.py", *(args.argv or sys.argv[1:])]),
+           "how": f"random Qwen2 checkpoints written by transformers (68-token vocab, fp32); prompts of 8-32 tokens, "
+                  f"G={RV_G} samples each at temperature 1 (one request with n=G, seeded), sampled-token logprobs; "
+                  f"fixed: 64 new tokens (a stop id outside the vocabulary), long tail: EOS allowed, at most 200; "
+                  f"one in-process vllm.LLM (prefix caching on) serves both systems, calls interleaved with the "
+                  f"order alternating, rows checked equal; median of --reps calls",
+           "target": "rltpu-with-vLLM wall <= 1.10 x vLLM alone (issue 31, acceptance 4)",
+           "env": env, "reps": args.reps, "acceptance": accept,
+           "all_met": bool(accept) and all(a["met"] for a in accept.values()), "models": models,
+           "elapsed_s": r(time.perf_counter() - t_start, 1)}
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer reps, no batch 64 on the 20M model, 20 requests")
@@ -1053,8 +1180,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default=",".join(f"{m}{b}" for m, b in VS_CELLS),
                     help="--vs-vllm: comma-separated subset of fixed8,fixed64,fixed256,longtail64,longtail256")
     ap.add_argument("--reps", type=int, default=3, help="--vs-vllm: timed calls per system and cell (median)")
+    ap.add_argument("--rltpu-vllm", action="store_true",
+                    help="rltpu's vLLM backend (sampler.backend=vllm) beside the same vLLM engine alone (in-process)")
     args = ap.parse_args(argv)
     args.argv = argv
+    if args.rltpu_vllm:
+        if args.models == "quickstart,llama20m":
+            args.models = "0.8M"
+        return rv_main(args)
     if args.vs_vllm:
         if args.models == "quickstart,llama20m":
             args.models = ",".join(VS_MODELS)

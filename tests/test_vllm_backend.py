@@ -27,7 +27,7 @@ from rltpu.sampling.engine import SamplerEngine  # noqa: E402
 
 V = 128
 EOS_NEVER = V + 7  # outside the vocabulary: rows run all their tokens
-LOGP_TOL = 2e-4  # fp32 |vLLM - JAX| per sampled token (measured ~1e-5 on the tiny model)
+LOGP_TOL = 1e-4  # fp32 |vLLM - JAX| per token (measured: greedy 2.4e-6, 64 sampled rows x 16 3.8e-6 max)
 PROMPTS = [[5, 9, 17, 33, 2], [7, 7, 8, 100, 3, 4, 5, 6, 9], list(range(10, 22))]
 
 

@@ -318,8 +318,11 @@ class Controller:
         if self.cfg.env is not None:
             self.envs = EnvPool(ray, self.cfg, len(g.samplers))
             self.envs.start()
-        master, port = form_process_groups(ray, g.trainers, self.mode.process_group_members(g), p.trainer_tp,
-                                           self.cfg.sync.timeout_s, d, "start-up")
+        # vLLM's samplers stay out of the default group: vLLM takes an initialized torch.distributed world as
+        # its own and would wait for the trainers in it (weight sync has its own groups either way)
+        members = g.trainers if self.cfg.sampler.backend == "vllm" else self.mode.process_group_members(g)
+        master, port = form_process_groups(ray, g.trainers, members, p.trainer_tp, self.cfg.sync.timeout_s, d,
+                                           "start-up")
         warning = fabric_warning(master, port)
         if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
             print(warning, file=sys.stderr, flush=True)
