@@ -1,4 +1,5 @@
-"""Each actor is sent only the config parts it declares (``SECTIONS``), as JSON data, and reads no others.
+"""Each actor is sent only the config parts it declares (``SECTIONS``), as JSON data (no pickle on Ray's
+wire), and reads no others.
 
 A parameter is followed from YAML to where it acts by its path: the key, the actor's ``SECTIONS``
 entry, the ``self.cfg.<path>`` read. The ast check below fails when an actor reads a part it does not
@@ -87,6 +88,25 @@ def test_sections_travel_as_json_and_come_back_as_their_types():
     with pytest.raises(AttributeError, match="config sync is not sent"):  # no sync fabric in this process
         got.sync
     assert Sections.read(sections_of(cfg, TrainerActor.SECTIONS), "TrainerActor.SECTIONS").sync.bucket_mb == 3.0
+
+
+def test_ray_carries_the_sections_without_pickle():
+    """Ray serializes actor arguments as msgpack and hands what msgpack cannot hold (a config model, a
+    tuple) to pickle through a fallback; the sections of every actor reach none of it."""
+    from ray._raylet import MessagePackSerializer  # what Ray's SerializationContext uses for arguments
+
+    cfg = _cfg()
+    pickled = []
+
+    def fallback(obj):
+        pickled.append(obj)
+        return len(pickled) - 1
+
+    for cls in ACTORS:
+        MessagePackSerializer.dumps(sections_of(cfg, cls.SECTIONS), fallback)
+    assert pickled == []
+    MessagePackSerializer.dumps({"sampler": cfg.sampler, "buckets": cfg.sampler.prompt_buckets}, fallback)
+    assert [type(o).__name__ for o in pickled] == ["SamplerConfig", "tuple"]  # the check can see pickle
 
 
 def test_a_part_not_sent_is_an_error_naming_the_list():
