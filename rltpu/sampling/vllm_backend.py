@@ -101,6 +101,9 @@ class VllmBackend:
             enforce_eager=True, enable_prefix_caching=True, seed=seed, tensor_parallel_size=tp,
             max_model_len=self.prompt_limit + sampler_cfg.max_new_tokens,
             max_num_seqs=max(sampler_cfg.batch_buckets), logprobs_mode=self.logprobs_mode,
+            # every prefill whole: a prompt cut by chunked prefill has its sampled token discarded, and vLLM
+            # then rewinds the request's seeded generator, which CPU generators cannot ("does not use offset")
+            enable_chunked_prefill=False, max_num_batched_tokens=max(4096, self.prompt_limit + sampler_cfg.max_new_tokens),
             revision=getattr(model_cfg, "revision", None))
         self.stats.build_seconds = time.perf_counter() - t0
         self._vllm = vllm
