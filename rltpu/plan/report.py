@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import json
 
+from rltpu.plan.candidates import MODES
 from rltpu.plan.planner import Plan
 from rltpu.plan.costmodel import fmt_bytes
 
@@ -109,7 +110,7 @@ def _rows(plan: Plan, top: int):
     feas = [c for c in plan.candidates if c.feasible][:top]
     bad = [c for c in plan.candidates if not c.feasible][: max(4, top // 2)]
     shown = feas + bad
-    extra = [plan.as_configured] + [plan.best(mode) for mode in ("disaggregated", "async", "colocated")]
+    extra = [plan.as_configured] + [plan.best(mode) for mode in MODES]
     for c in extra:  # always show the config's own placement and the best of each mode
         if c is not None and c not in shown:
             shown.append(c)
