@@ -210,3 +210,19 @@ def test_ppo_critic_on_a_transformers_body_fits_returns_and_checkpoints(ckpts, t
     fresh = TrainerEngine(mcfg, tcfg, V, SEED, TEMP, critic_cfg=ccfg)
     fresh.load_checkpoint(ck)
     np.testing.assert_array_equal(fresh.values(batch), eng.values(batch))
+
+
+def test_preflight_check_of_a_transformers_only_checkpoint(ckpts, tmp_path):
+    """``rltpu train`` reads every safetensors header before Ray starts: for ``architecture: other`` the
+    names are transformers' business (it maps them on load), a non-float tensor is still one line."""
+    from rltpu.models.hf.weights import CheckpointDir, CheckpointError, write_safetensors
+
+    cfg = ModelConfig(path=str(ckpts["qwen3_moe"]))
+    got = CheckpointDir(cfg.path).check(cfg)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in got  # per-expert, as the file has them
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpts["qwen3_moe"], bad)
+    write_safetensors(bad / "model.safetensors", [("model.norm.weight", (4,), "int32")],
+                      lambda n: torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match="model.norm.weight has dtype int32"):
+        CheckpointDir(str(bad)).check(cfg)

@@ -198,9 +198,17 @@ class CheckpointDir:
 
     def check(self, cfg, vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
         """Every parameter of ``cfg`` is present with its shape, and nothing unknown is: one line
-        naming the file and the tensor otherwise. Returns the expected shapes."""
+        naming the file and the tensor otherwise. Returns the expected shapes. A family only
+        transformers implements (``architecture: other``) is checked for float tensors alone:
+        transformers maps its names on load (``trainer.model_impl: hf``)."""
         from rltpu.models.spec import param_shapes
 
+        if cfg.architecture == "other":
+            for name in self.where:
+                if self.file(self.where[name]).dtype(name) not in ("float32", "bfloat16", "float16"):
+                    raise CheckpointError(f"{self.where[name]}: tensor {name} has dtype "
+                                          f"{self.file(self.where[name]).dtype(name)}, expected a float type")
+            return {name: tuple(self.shape(name)) for name in self.where}
         want = param_shapes(cfg, vocab_size)
         for name, shape in want.items():
             if name not in self.where:
