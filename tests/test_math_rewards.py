@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from actors.reward_fn_worker import RewardFnWorker
 from rltpu.config import ConfigError, build_config
+from rltpu.control.rewards import RewardPool
 from rltpu.data.math_rewards import compute_score, gsm8k_format, math_correct
-from rltpu.data.rewards import load_reward_fn
+from rltpu.data.rewards import load_reward_fn, term_metric_names
+from rltpu.observe.loggers import group_key
 
 REF = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in "
        "April and May.\n#### 72")
@@ -64,6 +67,53 @@ def test_weighted_rewards_sum_each_term_times_its_weight():
     # the saved config reads back the same (reward_fn/kwargs derived from rewards, not a second setting)
     again = build_config(cfg.to_dict())
     assert (again.task.reward_fn, again.task.reward_kwargs) == (cfg.task.reward_fn, cfg.task.reward_kwargs)
+
+
+class _Inline:
+    """``RayRewardWorkers``' five methods in this process: the real ``RewardFnWorker``, answering at once."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def spawn(self, slot, incarnation):
+        t = self.task
+        return RewardFnWorker(slot, t.reward_fn, dict(t.reward_kwargs), t.reward_timeout_s, t.reward_concurrency)
+
+    def call(self, handle, texts, examples):
+        return handle.score(texts, examples)
+
+    def wait(self, refs, timeout):
+        return list(refs)
+
+    def get(self, ref):
+        return ref
+
+    def kill(self, handle):
+        pass
+
+
+def test_each_weighted_term_logs_its_own_mean_per_step():
+    task = build_config({"task": {"reward_workers": 2, "rewards": [
+        {"fn": "rltpu.data.math_rewards:math_correct", "weight": 1.0, "kwargs": {"column": "ref"}},
+        {"fn": "rltpu.data.math_rewards:gsm8k_format", "weight": 0.25}]}}).task
+    pool = RewardPool(task, _Inline(task), log=lambda _line: None)
+    pool.start()
+    pool.begin_step(1)
+    texts = ["#### 72", "72 clips", "#### 73", "no idea", "72", "#### 72"]
+    examples = [{"ref": REF}] * 5 + [{"id": 9}]  # the last has no 'ref' column: math_correct raises
+    values = pool.collect(pool.submit(texts, examples))
+    assert values.tolist() == [1.25, 1.0, 0.25, 0.0, 1.0, task.reward_default]
+    m = pool.step_metrics()
+    # by hand over the 5 scored rows (the failed one is left out): correct 1,1,0,0,1; format 1,0,1,0,0
+    assert m["reward_term_math_correct_mean"] == pytest.approx(0.6)
+    assert m["reward_term_gsm8k_format_mean"] == pytest.approx(0.4)
+    assert m["reward_errors"] == 1 and m["reward_calls"] == 6
+    assert group_key("reward_term_gsm8k_format_mean") == "reward/term_gsm8k_format_mean"
+    assert term_metric_names([{"fn": "a:f"}, {"fn": "b:f"}]) == ["reward_term_f_mean", "reward_term_f_2_mean"]
+    pool.begin_step(2)  # a new step's means start over
+    pool.collect(pool.submit(["#### 73"], [{"ref": REF}]))
+    m = pool.step_metrics()
+    assert (m["reward_term_math_correct_mean"], m["reward_term_gsm8k_format_mean"]) == (0.0, 1.0)
 
 
 def test_rewards_list_is_checked_in_one_line():

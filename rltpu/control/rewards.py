@@ -4,7 +4,7 @@
     batch = pool.submit(texts, examples)     # as soon as a sampler's rows arrive; returns at once
     rewards = pool.collect(batch)            # (rows,) float32; failed calls score task.reward_default
     pool.check()                             # more than task.reward_max_failure_frac failed: RewardFailureError
-    pool.step_metrics()                      # reward_errors, reward_timeouts, ... for metrics.jsonl
+    pool.step_metrics()                      # reward_errors, reward_timeouts, each task.rewards term's mean, ...
 
 Where time goes: each worker runs its chunk's calls on threads, each call under
 ``task.reward_timeout_s`` (``rltpu.data.rewards.DeadlineRunner``), so a hanging call costs its own
@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rltpu.data.rewards import WEIGHTED_SUM, term_metric_names
 from rltpu.observe.health import HealthError
 
 # failure kind -> (metrics counter, words for the one warning line per kind per step)
@@ -113,6 +114,7 @@ class RewardBatch:
     kinds: list[str | None]
     details: list[str]
     pending: list[_Chunk] = field(default_factory=list)
+    terms: dict[int, list[float]] = field(default_factory=dict)  # row -> task.rewards' term values (ok rows)
 
 
 class RewardPool:
@@ -134,6 +136,9 @@ class RewardPool:
         self.in_flight: list[int] = []  # rows sent to each slot and not yet answered
         self.replaced_total = 0
         self.totals = {"reward_calls": 0, "reward_errors": 0, "reward_timeouts": 0}
+        terms = (getattr(task_cfg, "reward_kwargs", None) or {}).get("terms") \
+            if getattr(task_cfg, "reward_fn", None) == WEIGHTED_SUM else None
+        self.term_names = term_metric_names(terms) if terms else []  # a mean per task.rewards term per step
         self.step = 0
         self.last: dict | None = None  # the newest step's counters (health.json)
         self._reset_step()
@@ -185,10 +190,12 @@ class RewardPool:
         return RewardBatch([""] * len(kinds), list(examples), np.asarray(values, np.float32).copy(), list(kinds),
                            list(details))
 
-    def _fill(self, batch: RewardBatch, rows, values, kinds, details) -> None:
-        for i, v, k, d in zip(rows, values, kinds, details):
+    def _fill(self, batch: RewardBatch, rows, values, kinds, details, terms=None) -> None:
+        for j, (i, v, k, d) in enumerate(zip(rows, values, kinds, details)):
             batch.values[i] = v if k == "ok" else self.task.reward_default
             batch.kinds[i], batch.details[i] = k, d
+            if k == "ok" and terms is not None and terms[j] is not None:
+                batch.terms[int(i)] = terms[j]
 
     def _settle(self, batch: RewardBatch, c: _Chunk) -> None:
         """One chunk answered, died or missed its deadline."""
@@ -207,7 +214,7 @@ class RewardPool:
         if current:
             self.ready[c.slot] = True
             self.in_flight[c.slot] = max(self.in_flight[c.slot] - len(c.rows), 0)
-        self._fill(batch, c.rows, res["values"], res["kinds"], res["details"])
+        self._fill(batch, c.rows, res["values"], res["kinds"], res["details"], res.get("terms"))
         if current and res.get("abandoned", 0) > ABANDONED_PER_SLOT * self.task.reward_concurrency:
             self._replace(c.slot, f"holds {res['abandoned']} calls still running past their deadline")
 
@@ -240,6 +247,7 @@ class RewardPool:
     def _reset_step(self) -> None:
         self._step = {"reward_calls": 0, "reward_errors": 0, "reward_timeouts": 0, "reward_workers_replaced": 0,
                       "reward_wait_s": 0.0}
+        self._term_sums, self._term_rows = [0.0] * len(self.term_names), 0
         self._failed: dict[str, list[tuple[Any, str]]] = {k: [] for k in KINDS}
 
     def begin_step(self, step: int) -> None:
@@ -251,6 +259,10 @@ class RewardPool:
 
     def _count(self, batch: RewardBatch) -> None:
         self._step["reward_calls"] += len(batch.kinds)
+        for parts in batch.terms.values():
+            if len(parts) == len(self.term_names):
+                self._term_sums = [a + float(b) for a, b in zip(self._term_sums, parts)]
+                self._term_rows += 1
         rows = []
         for i, kind in enumerate(batch.kinds):
             if kind in KINDS:
@@ -295,6 +307,8 @@ class RewardPool:
             self.totals[k] += self._step[k]
         out = dict(self._step)
         self.last = {"step": self.step, **out}
+        if self._term_rows:  # each term's own (unweighted) mean over the step's scored rows
+            out |= {name: total / self._term_rows for name, total in zip(self.term_names, self._term_sums)}
         return out
 
     def health(self) -> dict:

@@ -99,14 +99,40 @@ def weighted_sum(completion: str, example: dict, terms: list[dict]) -> float:
     """``sum(weight * fn(completion, example))`` over ``terms`` (``[{fn, weight, kwargs}, ...]``, from
     ``task.rewards``); each function is imported once per process. A term that raises fails the call,
     named by its function."""
-    total = 0.0
+    return weighted_terms(completion, example, terms)[0]
+
+
+def weighted_terms(completion: str, example: dict, terms: list[dict]) -> tuple[float, list[float]]:
+    """``weighted_sum`` and each term's own (unweighted) value, in ``terms`` order: the reward workers
+    return both, so a step logs every term's mean beside the sum (``term_metric_names``)."""
+    total, parts = 0.0, []
     for path, fn, weight in _terms(_terms_key(terms)):
         try:
             value = float(fn(completion, example))
         except Exception as err:  # noqa: BLE001 - one line naming the term (the runner reports it)
             raise RuntimeError(f"{path}: {_first_line(err)}") from None
         total += weight * value
-    return total
+        parts.append(value)
+    return total, parts
+
+
+def term_metric_names(terms: list[dict]) -> list[str]:
+    """The metrics.jsonl name of each term's step mean: ``reward_term_<function>_mean`` (the trackers'
+    ``reward/term_<function>_mean``); a function used twice gets ``_2``, ``_3``, ... after its name."""
+    names, seen = [], {}
+    for t in terms:
+        base = str(t["fn"]).rpartition(":")[2] or str(t["fn"])
+        seen[base] = seen.get(base, 0) + 1
+        names.append(f"reward_term_{base}{'' if seen[base] == 1 else '_' + str(seen[base])}_mean")
+    return names
+
+
+def finite_terms(result) -> tuple[tuple[float, list[float]] | None, str, str]:
+    """``DeadlineRunner``'s check for ``weighted_terms``: the sum must be a finite number (as
+    ``finite_reward``); an ok value is ``(sum, parts)``."""
+    total, parts = result
+    value, kind, detail = finite_reward(total)
+    return ((value, list(parts)) if kind == "ok" else None), kind, detail
 
 
 def _dig(example: dict, key: str):
