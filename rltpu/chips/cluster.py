@@ -10,10 +10,12 @@ this machine (``ray.cluster_utils.Cluster``: a head plus worker nodes joined to 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 from rltpu.chips.topology import ChipTable, emulated_node_spec
+from rltpu.observe.log import get_logger
+
+logger = get_logger(__name__)
 
 # defaults only: a user's own setting wins. RAY_AUTH_MODE is never set to "disabled" here (see ray_auth).
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -84,10 +86,9 @@ def start_or_join(cluster_cfg, table: ChipTable, needed_chips: int, address: str
         os.environ.setdefault(k, v)
     auth = ray_auth(run_dir or tempfile.mkdtemp(prefix="rltpu-auth-"), joining=bool(address))
     if cluster_cfg.bind_host and not _loopback(cluster_cfg.bind_host) and not address:
-        print(f"rltpu: warning: the embedded Ray cluster binds {cluster_cfg.bind_host} (cluster.allow_remote): "
-              f"reachable from other hosts; Ray's token auth is {'on' if auth == 'token' else auth}, the "
-              f"weight-sync fabric (TCPStore, gloo) has none",
-              file=sys.stderr, flush=True)
+        logger.warning(f"rltpu: warning: the embedded Ray cluster binds {cluster_cfg.bind_host} "
+                       f"(cluster.allow_remote): reachable from other hosts; Ray's token auth is {'on' if auth == 'token' else auth}, the "
+                       f"weight-sync fabric (TCPStore, gloo) has none")
     import ray
 
     with _keep_sigterm_handler():  # ray.init would install sys.exit(15) for SIGTERM: not our stop path
@@ -169,8 +170,8 @@ def _start_or_join(ray, cluster_cfg, table: ChipTable, needed_chips: int, addres
                         raise TimeoutError(f"the embedded Ray cluster did not start in {START_TRIES} tries "
                                            f"({str(err).splitlines()[0]}); is the machine overloaded? "
                                            f"Ray's logs: {temp_dir}") from None
-                    print(f"rltpu: warning: the embedded Ray cluster did not start in time (try {attempt} of "
-                          f"{START_TRIES}; an overloaded machine?); trying again", file=sys.stderr, flush=True)
+                    logger.warning(f"rltpu: warning: the embedded Ray cluster did not start in time (try {attempt} of "
+                                   f"{START_TRIES}; an overloaded machine?); trying again")
             mode = "embedded"
     have = int(ray.cluster_resources().get("TPU", 0))
     if needed_chips > have:

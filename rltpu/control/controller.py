@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -60,9 +59,12 @@ from rltpu.data.envs.base import load_env_class, make_env
 from rltpu.data.sources import build_dataset, build_tokenizer, check_prompt_lengths, resolve_vocab, with_tokenizer_stops
 from rltpu.observe.health import HealthError, PhaseTimeout, bounded_get
 from rltpu.observe.ledger import Ledger
+from rltpu.observe.log import get_logger
 from rltpu.observe.loggers import build_loggers, check_loggers
 from rltpu.observe.startup import actor_waits, first_step_report, launch_time, report_line
 from rltpu.sync.collective import param_spec
+
+logger = get_logger(__name__)
 
 
 def owned_ray_temp_dir(ray, cfg: RunConfig, address: str | None) -> Path | None:
@@ -196,8 +198,8 @@ def user_compile_cache() -> str | None:
         why = f"{path} cannot be made ({getattr(err, 'strerror', None) or err})"
     if why not in _CACHE_WARNED:
         _CACHE_WARNED.add(why)
-        print(f"rltpu: warning: the shared compile cache is off: {why}; programs are cached in the run directory "
-              f"(set sampler.compile_cache_dir to a private directory)", file=sys.stderr, flush=True)
+        logger.warning(f"rltpu: warning: the shared compile cache is off: {why}; programs are cached in the run "
+                       f"directory (set sampler.compile_cache_dir to a private directory)")
     return None
 
 
@@ -235,10 +237,10 @@ class Controller:
         self.data = build_dataset(cfg, self.tokenizer)
         if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
             st = self.data.check_lengths(self.tokenizer, cfg.sampler)
-            print(f"rltpu: dataset {cfg.task.dataset}: {st['rows']} rows, prompt tokens "
-                  f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} (min/mean/max)"
-                  f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}",
-                  file=sys.stderr, flush=True)
+            logger.info(f"rltpu: dataset {cfg.task.dataset}: {st['rows']} rows, prompt tokens "
+                        f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} "
+                        f"(min/mean/max)"
+                        f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}")
         self.spec = param_spec(cfg.model, self.vocab, cfg.trainer.lora)  # LoRA: base + adapters
         if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
             from rltpu.models.hf.weights import CheckpointDir
@@ -325,7 +327,7 @@ class Controller:
                                            "start-up")
         warning = fabric_warning(master, port)
         if warning:  # --address or cluster.allow_remote: Ray's token does not cover the sync fabric
-            print(warning, file=sys.stderr, flush=True)
+            logger.warning(warning)
         self.phase = "build"
         builds = self.build_trainers()
         rm_vocab = bounded_get(ray, [r.build.remote() for r in g.rewarders], "loading", d, "the reward models")
@@ -348,7 +350,7 @@ class Controller:
         try:
             p.write(self.run_dir / "placement.json", extra)
         except OSError as err:  # a debug file: its failure is a warning, not the end of the job
-            print(f"rltpu: warning: could not write placement.json ({err.strerror or err})", file=sys.stderr)
+            logger.warning(f"rltpu: warning: could not write placement.json ({err.strerror or err})")
         self._check_interrupt()
         self.phase = "idle"
         self.started = True
@@ -391,7 +393,7 @@ class Controller:
         """The "compiling" phase, on its own: seconds per grid cell per sampler, and disk-cache loads."""
         for rank, log in enumerate(self.compile_log):
             cells = ", ".join(f"{r}x{p}x{t} {s:.1f}s{' (cache)' if hit else ''}" for r, p, t, s, hit in log)
-            print(f"rltpu: compiling: sampler {rank}: {cells}", file=sys.stderr, flush=True)
+            logger.info(f"rltpu: compiling: sampler {rank}: {cells}")
         self.compile_summary = {
             "wall_s": wall_s, "programs": sum(len(log) for log in self.compile_log),
             "cache_hits": sum(int(hit) for log in self.compile_log for *_, hit in log),
@@ -595,8 +597,7 @@ class Controller:
                 self.interrupted_record = self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe,
                                                        StepTimes(t_step, sample_s, train_s))
             except Exception as err:  # noqa: BLE001 - the checkpoint matters more than this line
-                print(f"rltpu: warning: no metrics line for interrupted step {self.step_idx} ({err})",
-                      file=sys.stderr)
+                logger.warning(f"rltpu: warning: no metrics line for interrupted step {self.step_idx} ({err})")
             raise
         return self._recorded(lambda: self._record(gen, rewards, outs, ds, batch, kl, stats, sync, probe,
                                                    StepTimes(t_step, sample_s, train_s)))
@@ -666,7 +667,7 @@ class Controller:
             with open(self.run_dir / "samples.jsonl", "a") as f:
                 f.writelines(out)
         except OSError as err:
-            print(f"rltpu: warning: could not write samples.jsonl ({err.strerror or err})", file=sys.stderr)
+            logger.warning(f"rltpu: warning: could not write samples.jsonl ({err.strerror or err})")
 
     def _record(self, gen, rewards, outs, ds, batch, kl, stats, sync, probe, times: StepTimes) -> dict:
         if self.cfg.loggers.samples:
@@ -746,8 +747,8 @@ class Controller:
         tc = self.cfg.trainer
         recent = [r["reward_mean"] for r in records[-tc.target_window:]]
         if self._target_met(records):
-            print(f"rltpu: trainer.target_reward={tc.target_reward} reached at step {self.step_idx} "
-                  f"(last-{tc.target_window} mean {sum(recent) / len(recent):.3f})", file=sys.stderr, flush=True)
+            logger.info(f"rltpu: trainer.target_reward={tc.target_reward} reached at step {self.step_idx} "
+                        f"(last-{tc.target_window} mean {sum(recent) / len(recent):.3f})")
             return True
         return False
 
@@ -835,9 +836,8 @@ class Controller:
         except HealthError:
             raise
         except Exception as err:  # noqa: BLE001 - evaluation must not cost the run
-            print(f"rltpu: warning: evaluation at step {self.step_idx} failed ({type(err).__name__}: "
-                  f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); training goes on",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"rltpu: warning: evaluation at step {self.step_idx} failed ({type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); training goes on")
             return rec
         finally:
             self.phase = "idle"
@@ -917,8 +917,8 @@ class Controller:
             # a signal to the whole process group (timeout, a scheduler's cancel, kill -- -PGID) stops the
             # embedded GCS and raylet too: every call placement.shutdown makes would then wait Ray's 60 s
             # for them and end the driver with exit 1. The checkpoint is written: stop what is left here.
-            print("rltpu: Ray's own processes were stopped too (a signal to the whole process group?); not "
-                  "waiting for them", file=sys.stderr, flush=True)
+            logger.warning("rltpu: Ray's own processes were stopped too (a signal to the whole process group?); not "
+                           "waiting for them")
             kill_local_ray(self.ray)
         else:
             self.placement.shutdown()

@@ -10,7 +10,10 @@ that stops a job), so ``rltpu status`` and the dashboard show them with the rewa
 from __future__ import annotations
 
 import os
-import sys
+
+from rltpu.observe.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class EnvPool:
@@ -57,8 +60,8 @@ class EnvPool:
             self.handles[rank] = self._spawn(rank)
             self.replaced += 1
             out = True
-            print(f"rltpu: warning: environment worker {rank} failed ({why}); replaced "
-                  f"(incarnation {self.incarnation[rank]}), its shard is played again", file=sys.stderr, flush=True)
+            logger.warning(f"rltpu: warning: environment worker {rank} failed ({why}); replaced "
+                           f"(incarnation {self.incarnation[rank]}), its shard is played again")
         return out
 
     def shutdown(self) -> None:

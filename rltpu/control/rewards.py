@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,9 @@ import numpy as np
 
 from rltpu.data.rewards import WEIGHTED_SUM, term_metric_names
 from rltpu.observe.health import HealthError
+from rltpu.observe.log import get_logger
+
+logger = get_logger(__name__)
 
 # failure kind -> (metrics counter, words for the one warning line per kind per step)
 KINDS = {"error": ("reward_errors", "raised"), "nonfinite": ("reward_errors", "returned a non-finite value"),
@@ -129,7 +131,7 @@ class RewardPool:
         self.task, self.workers, self.clock, self.startup_s = task_cfg, workers, clock, startup_s
         self.grace_s = grace_s
         self.failures_path = Path(run_dir) / "reward_failures.jsonl" if run_dir is not None else None
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.log = log or logger.warning  # its lines are warnings (a worker replaced, failed calls)
         self.handles: list = []
         self.incarnation: list[int] = []
         self.ready: list[bool] = []

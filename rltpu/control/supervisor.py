@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,9 @@ from rltpu.chips.topology import Role
 from rltpu.control.placement import form_process_groups
 from rltpu.observe.health import (HealthError, HealthMonitor, Watchdog, actor_rows, bounded_get, trace_events,
                                   write_health, write_trace)
+from rltpu.observe.log import get_logger
+
+logger = get_logger(__name__)
 
 REPLACE, RESTART_TRAINERS, STOP = "replace", "restart-trainers", "stop"
 
@@ -147,7 +149,7 @@ class Supervisor:
 
             self.dashboard = serve(self.run_dir, self.cfg.dashboard.host, self.cfg.dashboard.port)
             host, port = self.dashboard.server_address[:2]
-            print(f"rltpu: dashboard at http://{host}:{port}/", file=sys.stderr, flush=True)
+            logger.info(f"rltpu: dashboard at http://{host}:{port}/")
 
     # -- the files ------------------------------------------------------------------------------
     def write_health(self) -> None:
@@ -200,8 +202,7 @@ class Supervisor:
         try:
             self.write_trace()
         except OSError as err:
-            print(f"rltpu: warning: could not write trace.json ({err.strerror or err}); training goes on",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"rltpu: warning: could not write trace.json ({err.strerror or err}); training goes on")
 
     # -- fencing --------------------------------------------------------------------------------
     def on_hung(self, key: str, why: str, incarnation: int) -> None:
@@ -235,7 +236,7 @@ class Supervisor:
     def event(self, key: str, what: str, why: str) -> None:
         ev = {"time": time.time(), "actor": key, "what": what, "why": why, "step": self.job.progress()[0]}
         self.events.append(ev)
-        print(f"rltpu: health: {key} {what}: {why}", file=sys.stderr, flush=True)
+        logger.warning(f"rltpu: health: {key} {what}: {why}")
 
     def _fenced(self, key: str) -> bool:
         return key in self.fenced
@@ -400,7 +401,7 @@ class Supervisor:
             self.write_health()
             self.write_trace()
         except Exception as err:  # noqa: BLE001
-            print(f"rltpu: could not write health.json/trace.json ({err})", file=sys.stderr)
+            logger.warning(f"rltpu: could not write health.json/trace.json ({err})")
         if self.dashboard is not None:
             self.dashboard.shutdown()
             self.dashboard.server_close()

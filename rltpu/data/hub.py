@@ -18,11 +18,13 @@ line naming the key, the id and what to do (a ``ConfigError``: exit 2, before Ra
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable
 
 from rltpu.config import DATASET_SUFFIXES, HUB_ID, ConfigError
+from rltpu.observe.log import get_logger
+
+logger = get_logger(__name__)
 
 # what a model snapshot needs: config, safetensors (+ index), tokenizer files, chat templates. Not *.bin,
 # *.pth, ONNX or GGUF copies, which many repos ship beside the safetensors
@@ -81,7 +83,7 @@ def resolve(repo_id: str, key: str, repo_type: str = "model", revision: str | No
 
 
 def _log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    logger.info(line)
 
 
 def resolve_ids(data: dict, weights: bool = True, log: Callable[[str], None] = _log) -> dict:

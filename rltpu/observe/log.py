@@ -4,7 +4,10 @@ Each line carries its ``rltpu: ...`` text itself (format ``%(message)s``), so at
 the output is what a run always printed. ``rltpu -q ...`` (WARNING) keeps warnings and errors, ``-v``
 adds DEBUG lines; ``RLTPU_LOG_LEVEL`` (a level name) sets it for every process, actors included. An
 application embedding rltpu can add its own handlers to ``logging.getLogger("rltpu")`` and set
-``propagate``; the stderr handler here is attached once, at import.
+``propagate``; the stderr handler here is attached once, at import. Modules log through children
+named after themselves (``get_logger(__name__)``: ``rltpu.control.controller``, ``rltpu.chips.cluster``),
+so an application can filter a group (``logging.getLogger("rltpu.control")``); they take the level of
+``rltpu`` unless given their own.
 """
 
 from __future__ import annotations
@@ -62,3 +65,9 @@ def set_verbosity(quiet: bool = False, verbose: int = 0) -> int:
     if quiet or verbose:
         os.environ["RLTPU_LOG_LEVEL"] = logging.getLevelName(level)
     return level
+
+
+def get_logger(name: str) -> logging.Logger:
+    """A child of ``rltpu`` for module ``name``: its lines go through the handler and level above (importing
+    this module attaches them, so a line is never lost to Python's last-resort handler)."""
+    return logging.getLogger(name if name == LOGGER or name.startswith(LOGGER + ".") else f"{LOGGER}.{name}")
