@@ -82,6 +82,41 @@ def test_quickstart_learns_with_chip_owning_actors(quickstart_run):
          for suffix in (".index.json", "-rank00000.safetensors", "-rank00001.safetensors")] + ["trainer_state.json"])
 
 
+@pytest.mark.xdist_group("quickstart")
+def test_first_step_reported_by_phase(quickstart_run):
+    """Issue 35: the time from the launch to the end of step 1, by start-up phase, in trace.json (the
+    controller's spans, its clock at the process's launch) and in the done line; both agree with
+    each other and with the wall time measured from outside."""
+    import re
+
+    from rltpu.observe.startup import STARTUP
+
+    res, run_dir = quickstart_run.res, quickstart_run.run_dir
+    assert res.returncode == 0, res.stderr[-3000:]
+    done = next(line for line in res.stdout.splitlines() if line.startswith("rltpu: done:"))
+    m = re.search(r"first step ([\d.]+) s after launch \((.*); step 1: (.*)\)", done)
+    assert m, done
+    total = float(m[1])
+    phases = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", re.sub(r"\[.*?\]", "", m[2]))}
+    step = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", m[3])}
+    assert list(phases) == list(STARTUP) and set(step) == {"sample", "train", "sync"}, done
+    assert re.search(r"build [\d.]+ \[compile [\d.]+, load [\d.]+\]", done), done  # what build waited for
+    assert 0 < total < quickstart_run.wall  # from the launch, not from some later clock
+    # the phases cover the time up to the step's end (gaps: lock, loggers, the record; 0.1 s rounding each)
+    assert total - 3.0 <= sum(phases.values()) + sum(step.values()) <= total + 0.1 * (len(phases) + len(step)), done
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    pid = next(e["pid"] for e in events if e["ph"] == "M" and e["args"]["name"].startswith("controller"))
+    ctl = sorted((e for e in events if e["ph"] == "X" and e["pid"] == pid), key=lambda e: e["ts"])
+    assert [e["name"] for e in ctl[:len(STARTUP)]] == list(STARTUP)  # in order, before any step's phase
+    assert ctl[0]["ts"] < 10_000  # "imports" starts at the launch: the trace's zero
+    for prev, nxt in zip(ctl, ctl[1:len(STARTUP)]):  # each phase starts where the one before ended
+        assert abs(nxt["ts"] - (prev["ts"] + prev["dur"])) < 50_000, (prev, nxt)
+    for name in STARTUP:
+        assert abs(phases[name] - next(e["dur"] for e in ctl if e["name"] == name) / 1e6) <= 0.051, name
+    end1 = max(e["ts"] + e["dur"] for e in ctl if e["args"].get("step") == 1 and e["name"] not in STARTUP) / 1e6
+    assert end1 <= total + 0.05 and total - end1 < 3.0
+
+
 def test_ctrl_c_keeps_checkpoint_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}", "progress=false",
