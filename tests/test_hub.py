@@ -112,15 +112,22 @@ def test_a_revision_picks_that_commit(hub, tmp_path):
 ])
 def test_a_missing_id_is_one_line_exit_2_before_ray_starts(hub, tmp_path, override, names):
     run_dir = tmp_path / "run"
+    # a stand-in `ray` first on the path: importing it (a step before starting Ray) leaves a mark and fails
+    (tmp_path / "noray" / "ray").mkdir(parents=True)
+    mark = tmp_path / "ray-imported"
+    (tmp_path / "noray" / "ray" / "__init__.py").write_text(
+        f"open({str(mark)!r}, 'w').close()\nraise ImportError('ray imported before the id was resolved')\n")
+    path = os.pathsep.join([str(tmp_path / "noray"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "rltpu.cli", "train", str(ROOT / "configs" / "gsm8k.yaml"),
                           "model.path=tiny-org/tiny-qwen3", override, f"run_dir={run_dir}"],
-                         cwd=ROOT, env=_env(hub["home"]), capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=_env(hub["home"], PYTHONPATH=path), capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 2, (res.stdout + res.stderr)[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("rltpu: error:")]
     assert len(errors) == 1 and all(n in errors[0] for n in names), res.stderr
     assert "Traceback" not in res.stderr and not run_dir.exists()  # nothing started, nothing written
-    assert "ray" not in res.stderr.lower().replace("array", "")
+    assert not mark.exists(), "ray was imported before the missing id was reported"
     assert time.monotonic() - t0 < 120
 
 
