@@ -160,7 +160,10 @@ def run_trl(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, ste
             threads: int) -> dict:
     out = work / "trl.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TORCH_DEVICE_BACKEND_AUTOLOAD="0", TOKENIZERS_PARALLELISM="false")
+               TORCH_DEVICE_BACKEND_AUTOLOAD="0", TOKENIZERS_PARALLELISM="false",
+               # TRL imports vLLM when it is installed (the `vllm` extra), and vLLM refuses to pick between its
+               # CPU platform and the TPU plugin libtpu brings unless told; TRL's generation here is its own
+               VLLM_TARGET_DEVICE="cpu")
     t = time.time()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-child", "--t-launch", repr(t), "--ckpt", str(ckpt),
            "--tokenizer", str(tokdir), "--dataset", str(dataset), "--rows", str(rows), "--tokens", str(tokens),
