@@ -107,3 +107,8 @@ def test_gsm8k_format_arithmetic_learns_with_the_recipe_rewards(tmp_path, shared
     assert m[0]["reward_mean"] <= 0.2, m[0]["reward_mean"]
     final = [r for r in m if "eval/accuracy" in r][-1]
     assert final["step"] == m[-1]["step"] and final["eval/accuracy"] >= 0.8, final
+    # each term's own mean every step; with no failed calls, weight . means is the step's mean reward
+    for r in m:
+        terms = r["reward_term_math_correct_mean"] + 0.1 * r["reward_term_gsm8k_format_mean"]
+        assert r["reward_errors"] + r["reward_timeouts"] > 0 or abs(terms - r["reward_mean"]) <= 1e-4, r
+    assert m[-1]["reward_term_math_correct_mean"] > m[0]["reward_term_math_correct_mean"] + 0.5
