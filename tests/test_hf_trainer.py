@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from learner.trainer import TrainerEngine
 from procs import join_gloo, spawn_ranks
-from rltpu.config import ConfigError, LoraConfig, ModelConfig, RunConfig, TrainerConfig, load_config
+from rltpu.config import ConfigError, LoraConfig, ModelConfig, TrainerConfig, load_config
 from rltpu.control.batch import split_by_rank
 from rltpu.models.hf.tiny import write_tiny_checkpoint
 from test_trainer_fsdp import synthetic_batch
@@ -45,6 +45,19 @@ def ckpts(tmp_path_factory):
 
 def _engine(path, impl: str, **kw) -> TrainerEngine:
     return TrainerEngine(ModelConfig(path=str(path)), TrainerConfig(**TCFG, model_impl=impl, **kw), V, SEED, TEMP)
+
+
+class _Run:
+    """The model and trainer sections of a run, and the config a checkpoint records (``rltpu export``
+    reads model.path, dtype, trainer.model_impl from it). Not a RunConfig: that would also ask for
+    ``sampler.backend=vllm`` (these families' only sampler here), which the trainer does not need."""
+
+    def __init__(self, path, **trainer):
+        self.model = ModelConfig(path=str(path))
+        self.trainer = TrainerConfig(**{**TCFG, "model_impl": "hf", **trainer})
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.model_dump(mode="json"), "trainer": self.trainer.model_dump(mode="json")}
 
 
 def _global(batch: dict) -> dict:
@@ -102,7 +115,7 @@ def test_hf_fsdp_two_ranks_match_one_process(ckpts):
 def test_transformers_only_models_train_checkpoint_and_export(ckpts, arch, tmp_path):
     from rltpu.models.hf.export import export_checkpoint
 
-    cfg = RunConfig.model_validate({"model": {"path": str(ckpts[arch])}, "trainer": {**TCFG, "model_impl": "hf"}})
+    cfg = _Run(ckpts[arch])
     assert cfg.model.architecture == "other"
     batch = _global(synthetic_batch())
     eng = TrainerEngine(cfg.model, cfg.trainer, V, SEED, TEMP)
@@ -139,8 +152,7 @@ def test_lora_on_an_hf_model_trains_adapters_only_and_exports_merged(ckpts, tmp_
     from rltpu.models.hf.export import export_checkpoint
 
     lora = {"rank": 4, "target_modules": ["q_proj", "v_proj", "gate_proj"]}
-    cfg = RunConfig.model_validate({"model": {"path": str(ckpts["gemma3"])},
-                                    "trainer": {**TCFG, "model_impl": "hf", "lora": lora}})
+    cfg = _Run(ckpts["gemma3"], lora=LoraConfig(**lora))
     eng = TrainerEngine(cfg.model, cfg.trainer, V, SEED, TEMP)
     assert eng.ref_model is None  # the reference is the base, adapters off
     start = {k: v.clone() for k, v in eng.full_state_dict().items()}
@@ -183,8 +195,7 @@ def test_sync_spec_of_a_transformers_only_model_is_the_trainers_own(ckpts, arch)
     from rltpu.sync.collective import param_spec
 
     lora = LoraConfig(rank=4, target_modules=("q_proj", "o_proj"))
-    cfg = RunConfig.model_validate({"model": {"path": str(ckpts[arch])},
-                                    "trainer": {**TCFG, "model_impl": "hf", "lora": lora.model_dump()}})
+    cfg = _Run(ckpts[arch], lora=lora)
     eng = TrainerEngine(cfg.model, cfg.trainer, V, SEED, TEMP)
     have = {n: tuple(p.shape) for n, p in eng.model.named_parameters()}
     spec = param_spec(cfg.model, V, cfg.trainer.lora)
