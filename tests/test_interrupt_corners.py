@@ -170,6 +170,7 @@ def test_a_signal_between_the_update_and_the_metrics_line_keeps_the_line(tmp_pat
     c.mode = mode_for(c.cfg.placement)
     c.step_idx, c.version, c.steps_run, c.interrupted_record, c.writer = 0, 0, 0, None, None
     c.recent, c.data_before = deque(maxlen=5), None
+    c.first_step = {}  # the first step's start-up report is another test's (tests/test_startup.py)
     c.data = SimpleNamespace(state_dict=lambda: {"pos": c.step_idx})
     c.draws = SimpleNamespace(pending=[])
     c.rewards = SimpleNamespace(begin_step=lambda k: None)
