@@ -753,7 +753,8 @@ class VllmWorker:
         import subprocess
 
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads),
-                   VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                   VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_TARGET_DEVICE="cpu")  # the project's venv also holds libtpu, whose plugin vLLM would see
         env.pop("JAX_PLATFORMS", None)
         self.log = open(log_path, "w")
         self.p = subprocess.Popen([python, str(REPO / "benchmarks" / "sampler_vllm.py")], stdin=subprocess.PIPE,

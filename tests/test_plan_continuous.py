@@ -47,14 +47,15 @@ def _engine(scfg: SamplerConfig, eos: int):
          prompt_buckets=(20,), decode_chunk=8),
 ])
 def test_grid_is_the_one_the_engine_builds(kw):
-    """Slots, page size, pool pages (auto and explicit), prefill and slot buckets, history views and
-    the pool's bytes: the planner's count equals ``ContinuousSampler``'s own."""
+    """Slots, page size, pool pages (auto and explicit), prefill and slot buckets, the attention block,
+    the block table's width and the pool's bytes: the planner's count equals ``ContinuousSampler``'s own."""
     scfg = SamplerConfig(engine="continuous", prompt_buckets=kw.pop("prompt_buckets", (8,)), **kw)
     real = _engine(scfg, 2).continuous
     g = EngineGrid.from_config(scfg)
     assert (g.slots, g.chunk, g.page_size, g.prompt_pages, g.gen_pages, g.pages) == \
         (real.S, real.C, real.ps, real.MP, real.MG, real.n_pages)
-    assert (g.prefill_rows, g.slot_buckets, g.views) == (real.prefill_rows, real.slot_buckets, real.views)
+    assert (g.prefill_rows, g.slot_buckets, g.block_pages) == (real.prefill_rows, real.slot_buckets, real.BP)
+    assert real.TW == -(-(g.prompt_pages + g.gen_pages) // g.block_pages) * g.block_pages
     shape = cm.ModelShape.from_config(TINY, VOCAB)
     assert g.pool_bytes(shape.kv_bytes_per_token) == real.pool_bytes()
     # by hand: one page is K and V of every layer for page_size tokens: 2 x 2 layers x 2 kv heads x 8 x 4 B
@@ -126,14 +127,15 @@ def test_8b_on_v6e_16_ranks_runnable_candidates_with_tokens_per_chip():
     kv = 2 * 32 * 8 * 128 * 2 / 4  # K and V, 32 layers, 8 kv heads x 128, bf16; split over 4 chips by kv heads
     s = c.memory["sampler"]
     assert s["kv_pool"] == pytest.approx(13_109 * 16 * kv)
-    assert s["decode_history"] == pytest.approx(128 * (4096 + 8) * kv)
+    assert s["decode_history"] == pytest.approx(128 * (8 + 32) * kv)  # the chunk's keys + one 32-token block
     assert s["logits"] == pytest.approx((2 * 128 + 4) * 128256 * 4)
-    # its sample phase by hand: weights once per step, every slot's 4,096-token view once per step, the
-    # gather (read + write) once per chunk, at 70% of 1,638 GB/s; prefill at 50% of 4 x 918 TFLOP/s
+    # its sample phase by hand: weights once per step, every slot's attended history once per step (16
+    # prompt pages + half of 240 generated pages = 136 pages of 16 tokens, whole 2-page blocks: 2,176
+    # tokens) and the chunk's 8 keys, at 70% of 1,638 GB/s; prefill at 50% of 4 x 918 TFLOP/s
     m = plan.model
-    D, chunks, slot_steps = 9468, math.ceil(9468 / 8), 128 * 9468
-    streamed = D * cm.sampler_weight_bytes(m, 4) + slot_steps * 4104 * kv + chunks * 2 * 128 * 4096 * kv
-    f_dec = slot_steps * (2 * m.matmul_params + 4 * 4104 * 4096 * 32)
+    D, slot_steps = 9468, 128 * 9468
+    streamed = D * cm.sampler_weight_bytes(m, 4) + slot_steps * (2176 + 8) * kv
+    f_dec = slot_steps * (2 * m.matmul_params + 4 * (2176 + 8) * 4096 * 32)
     f_pre = 2 * m.matmul_params * 32 * 256 + 4 * 32 * 256 * 256 * 4096 * 32
     d = c.phases.detail["sample"]
     assert d["decode"] == pytest.approx(max(streamed / (1638e9 * 0.7), f_dec / (4 * 918e12 * 0.5)))

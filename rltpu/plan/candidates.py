@@ -357,9 +357,9 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if c.reward_on == "own chips" and w.reward_params:  # the reward group scores every completion
         rate = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu
         host_s += 2 * w.reward_params * w.rows * w.seq / (rate * max(1, w.reward_chips))
-    if continuous:  # its prefill programs (prompts per call x prompt bucket) and decode chunks (slots x view)
+    if continuous:  # its prefill programs (prompts per call x prompt bucket) and decode chunks (one per slot bucket)
         n_cells = (len({(n, grid.page_size * -(-p // grid.page_size)) for n in grid.prefill_rows
-                        for p in cfg.sampler.prompt_buckets}) + len(grid.slot_buckets) * len(grid.views))
+                        for p in cfg.sampler.prompt_buckets}) + len(grid.slot_buckets))
     else:
         n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
     chips = table.num_chips
@@ -387,7 +387,7 @@ def engine_detail(m: cm.ModelShape, grid: EngineGrid, v, tp: int) -> dict:
             "kv_pool_bytes_per_chip": grid.pool_bytes(m.kv_bytes_per_token) / ways,
             "pool_rows": v.pool_rows, "concurrent_rows": v.concurrent, "waves": v.waves,
             "decode_steps": v.decode_steps, "chunks": v.chunks, "slot_bucket": v.slot_bucket,
-            "slot_steps": v.slot_steps, "prefill_calls": v.prefill_calls, "view_tokens": grid.view_tokens}
+            "slot_steps": v.slot_steps, "prefill_calls": v.prefill_calls, "attended_tokens": grid.attended_tokens}
 
 
 def enumerate_candidates(cfg: RunConfig, table: ChipTable) -> list[Candidate]:

@@ -6,7 +6,7 @@ dense ``rows x (prompt + new)`` KV cache. It keeps S decode slots and a pool of 
 S; rows beyond S (or beyond what the pool holds) wait in a queue and are admitted as slots free, so
 a request of R rows is served in about ceil(R / S) waves. Memory follows the slot grid, time follows
 the waves. ``EngineGrid.from_config`` repeats ``ContinuousSampler.__init__``'s sizing rules (page
-size, pool pages, prefill row buckets, slot buckets, history views) without importing JAX;
+size, pool pages, prefill row buckets, slot buckets, attention block) without importing JAX;
 ``tests/test_plan_continuous.py`` checks them against a real ``ContinuousSampler``.
 
 Counts (R rows of one sampler, G samples per prompt, mean generated length l, longest T):
@@ -17,8 +17,9 @@ Counts (R rows of one sampler, G samples per prompt, mean generated length l, lo
                      when every row runs T (a wave's rows stop together, in a short last chunk)
     slot-steps       b * D                   (b: the smallest slot bucket >= c; every chunk computes all of it)
     prefill          R / G prompts, once each, padded to the prefill row buckets
-    history read     (prompt pages + the widest view) * page size tokens per slot per step: a chunk
-                     gathers each slot's pages once and every step attends over that copy
+    history read     per slot per step, the blocks (``block_pages`` pages) the chunk's longest row needs,
+                     read straight from the pool: modelled as the prompt pages plus half the longest
+                     completion (the longest row of a wave grows from 0 to T), in whole blocks
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 AUTO_POOL_FRACTION = 0.4  # sampler.kv_pages=0: pages for 40% of the slot grid's dense cache (the engine's rule)
+ATTN_BLOCK_TOKENS = 32  # the engine's attention block (rltpu/sampling/continuous.py)
 
 
 def _pow2_at_most(n: int) -> int:
@@ -44,7 +46,7 @@ class EngineGrid:
     pages: int  # the pool, with the null page
     prefill_rows: tuple[int, ...]  # prompts per prefill call (buckets)
     slot_buckets: tuple[int, ...]
-    views: tuple[int, ...]  # generated pages a chunk's history view holds
+    block_pages: int  # pages one step of the decode attention loop reads per slot
     group: int
 
     @classmethod
@@ -63,10 +65,10 @@ class EngineGrid:
         auto = max(math.ceil(AUTO_POOL_FRACTION * S * (P + T) / ps), S * first + per * MP, MP + MG)
         pages = (scfg.kv_pages or auto) + 1
         lo = min(min(scfg.batch_buckets), S)
-        buckets = tuple(sorted({b for b in scfg.batch_buckets if b < S} | {S}
-                               | {1 << k for k in range(lo.bit_length(), S.bit_length()) if lo < 1 << k < S}))
-        views = tuple(sorted({max(1, MG >> i) for i in range(4)}))
-        return cls(S, C, ps, MP, MG, pages, prefill_rows, buckets, views, G)
+        steps = {m << k for k in range(S.bit_length()) for m in (1, 3)}  # powers of two and 1.5x between
+        buckets = tuple(sorted({b for b in scfg.batch_buckets if b < S} | {S} | {b for b in steps if lo < b < S}))
+        block = max(1, min(ATTN_BLOCK_TOKENS // ps, MP + MG))
+        return cls(S, C, ps, MP, MG, pages, prefill_rows, buckets, block, G)
 
     @property
     def pool_tokens(self) -> int:
@@ -74,18 +76,19 @@ class EngineGrid:
         return (self.pages - 1) * self.page_size
 
     @property
-    def view_tokens(self) -> int:
-        """Tokens of the widest history view a slot's chunk gathers and attends over."""
-        return (self.prompt_pages + max(self.views)) * self.page_size
+    def attended_tokens(self) -> int:
+        """History tokens a slot's attention reads per decode step, as modelled in the module docstring."""
+        pages = self.prompt_pages + math.ceil(self.gen_pages / 2)
+        return math.ceil(pages / self.block_pages) * self.block_pages * self.page_size
 
     def pool_bytes(self, kv_bytes_per_token: float) -> float:
         """The pool ``[pages, kv_heads, page_size, head_dim]`` per layer, K and V: every page, null included."""
         return self.pages * self.page_size * kv_bytes_per_token
 
     def history_bytes(self, kv_bytes_per_token: float) -> float:
-        """The chunk's gathered history (every layer's K and V for S slots over the widest view) plus
-        the chunk's own new keys (S x C): live while the decode loop runs."""
-        return self.slots * (self.view_tokens + self.chunk) * kv_bytes_per_token
+        """Live while the decode loop runs: the chunk's own new keys (S x C, every layer) and one
+        attention block read from the pool per slot (counted for every layer: an upper bound)."""
+        return self.slots * (self.chunk + self.block_pages * self.page_size) * kv_bytes_per_token
 
     def prefill_bucket(self, prompts: int) -> int:
         return next((b for b in self.prefill_rows if b >= prompts), self.prefill_rows[-1])
@@ -130,10 +133,10 @@ def serve(g: EngineGrid, rows: int, mean_new: float, max_new: int) -> Waves:
 def flops(m, g: EngineGrid, prefill_prompts: float, slot_steps: float) -> tuple[float, float]:
     """(prefill, decode) FLOPs of a continuous sampler (``m`` a ``ModelShape``): its prefill calls
     (``prefill_prompts`` padded to the prefill row buckets, the prompt bucket padded to pages) and
-    every computed slot-step, each attending over the widest history view plus the chunk's own keys.
+    every computed slot-step, each attending over ``attended_tokens`` plus the chunk's own keys.
     The cost model (prediction) and the micro-benchmark's probe (fit, from the engine's own counters)
     both count with this."""
     P, H, L = g.prompt_pages * g.page_size, m.hidden, m.layers
     prefill = 2 * m.matmul_params * prefill_prompts * P + 4 * prefill_prompts * P * P * H * L
-    decode = slot_steps * (2 * m.matmul_params + 4 * (g.view_tokens + g.chunk) * H * L)
+    decode = slot_steps * (2 * m.matmul_params + 4 * (g.attended_tokens + g.chunk) * H * L)
     return prefill, decode

@@ -327,8 +327,8 @@ def continuous_sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int,
     """One continuous sampler serving ``rows`` rows in waves (``rltpu.plan.continuous.serve``).
 
     TPU: prefill is FLOP-bound; decode is max(bytes, FLOPs) over the whole request, where the bytes are
-    the weights once per step, each computed slot's history view once per step, and the chunk's gather
-    (read the pages, write the copy) once per chunk. cpu: the measured continuous program line, fixed
+    the weights once per step and each computed slot's attended history (``EngineGrid.attended_tokens``,
+    read from its pages) plus the chunk's own keys once per step. cpu: the measured continuous program line, fixed
     seconds per host-loop iteration (one admission + one chunk) + FLOPs at the marginal rate.
     """
     g = grid or w.grid
@@ -348,8 +348,7 @@ def continuous_sample_seconds(hw: Hardware, m: ModelShape, w: Workload, tp: int,
     peak = hw.peak_flops * tp / matmul_passes(hw, m, w)
     kv = m.kv_bytes_per_token / math.gcd(m.kv_heads, tp)
     out["prefill"] = f_prefill / (peak * hw.prefill_mfu)
-    streamed = (v.decode_steps * sampler_weight_bytes(m, tp) + v.slot_steps * (g.view_tokens + g.chunk) * kv
-                + v.chunks * 2 * v.slot_bucket * g.view_tokens * kv)
+    streamed = v.decode_steps * sampler_weight_bytes(m, tp) + v.slot_steps * (g.attended_tokens + g.chunk) * kv
     out["decode"] = max(streamed / (hw.hbm_bw * hw.bw_eff), f_decode / (peak * hw.prefill_mfu))
     if tp > 1:  # two all-reduces of the activations per layer per step, over the computed slots
         ar = 2 * (tp - 1) / tp * v.slot_bucket * m.hidden * m.bytes / (hw.ici_bw * hw.link_eff) \

@@ -45,7 +45,7 @@ def engine_line(plan: Plan, c) -> str:
             f"{e['page_size']} tokens ({fmt_bytes(e['kv_pool_bytes_per_chip'])} per chip; it feeds {e['pool_rows']} "
             f"rows at their mean length); {c.phases.detail['rows_per_sampler_program']} rows per sampler in "
             f"{e['waves']} wave(s) of {e['concurrent_rows']}: {e['decode_steps']:,.0f} decode steps in "
-            f"{e['chunks']:,} chunks, each step attending over a {e['view_tokens']:,}-token history view; "
+            f"{e['chunks']:,} chunks, each step attending over about {e['attended_tokens']:,} history tokens per slot; "
             f"{c.phases.detail['sampler_tokens_per_s_per_chip']:,.0f} generated tokens/s per sampler chip.")
 
 

@@ -14,8 +14,8 @@ of its slot-steps are idle; each of a prompt's G samples prefills the same promp
   row is preempted (its pages freed) and later recomputed from its prompt.
 
 The compiled shapes are a fixed grid: prefill programs (prompts per call x prompt bucket) and
-decode-chunk programs (one per view width: generated pages a slot may read). ``precompile`` builds
-them all; nothing compiles in steady state. Tokens depend only on (seed, row, position), never on
+decode-chunk programs (one per slot bucket; attention loops over as many history blocks as the
+longest row in the chunk needs). ``precompile`` builds them all; nothing compiles in steady state. Tokens depend only on (seed, row, position), never on
 slot, chunk or preemption: row r draws token t with ``fold_in(fold_in(key(seed), r), t)``.
 
 Weight versions: a call snapshots ``(params, version)`` when it starts and uses that snapshot for
@@ -45,6 +45,7 @@ from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, tok
 
 _F32 = jnp.float32
 AUTO_POOL_FRACTION = 0.4  # kv_pages=0: pages for 40% of the dense cache of the slot grid
+ATTN_BLOCK_TOKENS = 32  # history tokens one step of the decode attention loop reads per slot (plan/continuous.py too)
 
 
 def _pow2_at_most(n: int) -> int:
@@ -86,14 +87,20 @@ class ContinuousSampler:
         if self.n_pages - 1 < self.MP + self.MG:
             raise ValueError(f"sampler.kv_pages={cfg.kv_pages} cannot hold one row ({self.MP} prompt + {self.MG} "
                              f"generated pages of {self.ps} tokens); raise sampler.kv_pages or set it to 0 (auto)")
-        self.views = tuple(sorted({max(1, self.MG >> i) for i in range(4)}))  # generated pages a chunk reads
+        # attention reads the pool in blocks of BP pages, as many blocks as the longest history in the
+        # chunk needs (a loop bound passed at run time): cost follows live tokens and one program per
+        # slot bucket serves every history length
+        self.BP = max(1, min(ATTN_BLOCK_TOKENS // self.ps, self.MP + self.MG))  # no wider than a whole history
+        self.TW = math.ceil((self.MP + self.MG) / self.BP) * self.BP  # block-table width, whole blocks
         # slots a chunk computes: the smallest of these that holds the busy rows (the batch buckets
-        # below S, the powers of two between the smallest of them and S, and S), so a small request
-        # or the tail of a large one pays for about its own rows only
+        # below S, the powers of two and the 1.5x steps between them from the smallest of them up
+        # to S, and S), so a small request or the tail of a large one pays for about its own rows
+        # only (the 1.5x steps cut padded slot-steps by about 15% on a long tail for 1.7x programs,
+        # each cheap now that one program serves every history length)
         lo = min(min(cfg.batch_buckets), self.S)
+        steps = {m << k for k in range(self.S.bit_length()) for m in (1, 3)}
         self.slot_buckets = tuple(sorted({b for b in cfg.batch_buckets if b < self.S} | {self.S}
-                                         | {1 << k for k in range(lo.bit_length(), self.S.bit_length())
-                                            if lo < 1 << k < self.S}))
+                                         | {b for b in steps if lo < b < self.S}))
         self.NW = math.ceil((self.ps - 1 + self.C) / self.ps)  # pages one chunk's new tokens can span
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
@@ -193,41 +200,74 @@ class ContinuousSampler:
 
         return prefill
 
-    def _decode_forward(self, params, hk, hv, rk, rv, i, tok, glen, plen, hist_ok, hist_pos, g0):
-        """One token per slot. Keys: the chunk's history (``hk``/``hv`` (s, kv, Wtok, hd), gathered
-        from the pages once per chunk; ``hist_ok``/``hist_pos`` (s, Wtok)) and the tokens this chunk
-        fed so far (``rk``/``rv`` (s, kv, C, hd), written here at step ``i``, all slots alike).
-        tok, glen (index of tok among the generated tokens), plen, g0 (glen at the chunk's start)
-        (s,). Returns (logits (s, V), rk, rv)."""
+    def _history_attend(self, qg, kpool, vpool, hist, nblk, plen, g0, qpos, window):
+        """Online-softmax attention of one query per slot over its history in the pool, ``nblk``
+        blocks of BP pages read straight from their pages (no copy of the history per chunk).
+        qg (s, kv, rep, hd) fp32; hist (s, TW) pages (prompt pages, then generated ones); a token
+        counts if it is a prompt token (< plen) or generated before the chunk (< g0). Returns the
+        running (max, sum, acc) that ``_decode_forward`` finishes with the chunk's recent keys."""
+        s, nkv, rep, hd = qg.shape
+        ps, BP, MP = self.ps, self.BP, self.MP
+        jb = jnp.arange(BP * ps, dtype=jnp.int32)
+
+        def body(b, carry):
+            m, l, acc = carry
+            tbl = lax.dynamic_slice_in_dim(hist, b * BP, BP, axis=1)  # (s, BP)
+            kb, vb = kpool[tbl], vpool[tbl]  # (s, BP, kv, ps, hd)
+            sc = jnp.einsum("bgrd,bpgtd->bgrpt", qg, kb.astype(_F32)).reshape(s, nkv, rep, BP * ps) * hd**-0.5
+            jj = b * (BP * ps) + jb
+            gg = jj - MP * ps
+            ok = jnp.where(jj < MP * ps, jj[None] < plen[:, None], gg[None] < g0[:, None])  # (s, BP*ps)
+            if window is not None:
+                kpos = jnp.where(jj[None] < MP * ps, jj[None], plen[:, None] + gg[None])
+                ok = ok & ((qpos[:, None] - kpos) < window)
+            sc = jnp.where(ok[:, None, None, :], sc, jnp.finfo(_F32).min)
+            m_new = jnp.maximum(m, sc.max(-1))
+            alpha = jnp.exp(m - m_new)
+            pr = jnp.exp(sc - m_new[..., None])
+            pv = jnp.einsum("bgrpt,bpgtd->bgrd", pr.reshape(s, nkv, rep, BP, ps), vb.astype(_F32))
+            return m_new, l * alpha + pr.sum(-1), acc * alpha[..., None] + pv
+
+        init = (jnp.full((s, nkv, rep), -jnp.inf, _F32), jnp.zeros((s, nkv, rep), _F32),
+                jnp.zeros((s, nkv, rep, hd), _F32))
+        return lax.fori_loop(0, nblk, body, init)
+
+    def _decode_forward(self, params, kpools, vpools, hist, nblk, rk, rv, i, tok, glen, plen, g0):
+        """One token per slot. Keys: the slot's history in the pool (pages ``hist`` (s, TW), read
+        ``nblk`` blocks deep; see ``_history_attend``) and the tokens this chunk fed so far
+        (``rk``/``rv`` (s, kv, C, hd), written here at step ``i``, all slots alike). tok, glen
+        (index of tok among the generated tokens), plen, g0 (glen at the chunk's start) (s,).
+        Returns (logits (s, V), rk, rv)."""
         mcfg, C = self.mcfg, self.C
         s = tok.shape[0]
         qpos = plen + glen  # (s,)
         x = params["model.embed_tokens.weight"][tok[:, None]]  # (s, 1, H)
         cos, sin = jax_llama.rope_cos_sin(qpos[:, None], mcfg.head_dim, mcfg.rope_theta, x.dtype, mcfg.rope_scaling)
         j = jnp.arange(C, dtype=jnp.int32)
-        allowed = jnp.concatenate([hist_ok, jnp.broadcast_to(j <= i, (s, C))], axis=1)  # (s, Wtok + C)
-        kpos = jnp.concatenate([hist_pos, (plen + g0)[:, None] + j[None]], axis=1)
-        masks = self._layer_masks(allowed[:, None], qpos[:, None], kpos)
+        recent_ok = jnp.broadcast_to(j <= i, (s, C))
+        recent_pos = (plen + g0)[:, None] + j[None]
         rk, rv = list(rk), list(rv)
         nh, nkv, hd = mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim
         zero = jnp.zeros((), jnp.int32)
         for li in range(mcfg.num_hidden_layers):
+            window = mcfg.layer_window(li)
             h = jax_llama.rms_norm(x, params[f"model.layers.{li}.input_layernorm.weight"], mcfg.rms_norm_eps)
             q, k, v = jax_llama._qkv(params, mcfg, li, h, cos, sin)  # q (s, 1, nh, hd); k, v (s, 1, kv, hd)
             start = (zero, zero, i, zero)
             rk[li] = lax.dynamic_update_slice(rk[li], jnp.swapaxes(k, 1, 2).astype(rk[li].dtype), start)
             rv[li] = lax.dynamic_update_slice(rv[li], jnp.swapaxes(v, 1, 2).astype(rv[li].dtype), start)
-            # scores against the history and the recent keys separately (a concatenation would copy
-            # the history every step), one softmax over both
             qg = q.reshape(s, nkv, nh // nkv, hd).astype(_F32)
-            sh = jnp.einsum("bgrd,bgsd->bgrs", qg, hk[li].astype(_F32))
-            sr = jnp.einsum("bgrd,bgsd->bgrs", qg, rk[li].astype(_F32))
-            scores = jnp.concatenate([sh, sr], axis=-1) * hd**-0.5  # (s, kv, rep, Wtok + C)
-            scores = jnp.where(masks[mcfg.layer_window(li)][:, :, None, :], scores, jnp.finfo(_F32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-            wt = sh.shape[-1]
-            att = (jnp.einsum("bgrs,bgsd->bgrd", probs[..., :wt], hv[li].astype(x.dtype))
-                   + jnp.einsum("bgrs,bgsd->bgrd", probs[..., wt:], rv[li].astype(x.dtype))).reshape(s, 1, nh * hd)
+            m, l, acc = self._history_attend(qg, kpools[li], vpools[li], hist, nblk, plen, g0, qpos, window)
+            # the chunk's own keys: one more block of the same online softmax
+            ok = recent_ok if window is None else recent_ok & ((qpos[:, None] - recent_pos) < window)
+            sr = jnp.einsum("bgrd,bgsd->bgrs", qg, rk[li].astype(_F32)) * hd**-0.5
+            sr = jnp.where(ok[:, None, None, :], sr, jnp.finfo(_F32).min)
+            m_new = jnp.maximum(m, sr.max(-1))
+            alpha = jnp.exp(m - m_new)
+            pr = jnp.exp(sr - m_new[..., None])
+            acc = acc * alpha[..., None] + jnp.einsum("bgrs,bgsd->bgrd", pr, rv[li].astype(_F32))
+            l = l * alpha + pr.sum(-1)
+            att = (acc / l[..., None]).astype(x.dtype).reshape(s, 1, nh * hd)
             x = x + jax_llama._out_proj(params, mcfg, li, att)
             x = jax_llama._mlp_block(params, mcfg, li, x)
         return jax_llama._logits(params, mcfg, x)[:, 0], tuple(rk), tuple(rv)
@@ -240,12 +280,13 @@ class ContinuousSampler:
         choose = self.choose
         mcfg = self.mcfg
 
-        def chunk(params, state, src, hist, wpages, admit, key):
+        def chunk(params, state, src, hist, wpages, admit, key, nblk):
             # src (s,): slot j of this chunk carries on the row of slot src[j] (compaction);
-            # hist (s, MP + w) pages to read (prompt, then generated before the chunk); wpages
-            # (s, NW) the pages this chunk's tokens go to (from page g0 // ps on); admit: "reset"
-            # (s,) slots to reinitialise (admitted, or not carrying a row), "on" (s,) admitted,
-            # "handle" / "plen" / "limit" / "row" (s,) for the admitted ones; key: the call's PRNG key
+            # hist (s, TW) pages to read (MP prompt entries, then generated before the chunk); nblk:
+            # blocks of BP entries the longest history needs; wpages (s, NW) the pages this chunk's
+            # tokens go to (from page g0 // ps on); admit: "reset" (s,) slots to reinitialise
+            # (admitted, or not carrying a row), "on" (s,) admitted, "handle" / "plen" / "limit" /
+            # "row" (s,) for the admitted ones; key: the call's PRNG key
             s = src.shape[0]
             on, reset = admit["on"], admit["reset"]
             cur = {k: state[k][src] for k in self._PER_SLOT}
@@ -260,20 +301,6 @@ class ContinuousSampler:
             row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, cur["row"])  # (s, 2)
             rows = jnp.arange(s)
             g0, plen = cur["glen"], cur["plen"]
-            # the history every step of this chunk reads: gathered once
-            W = hist.shape[1]
-            jj = jnp.arange(W * ps)
-            in_prompt = (jj < MP * ps)[None]
-            gg = (jj - MP * ps)[None]
-            hist_ok = jnp.where(in_prompt, jj[None] < plen[:, None], gg < g0[:, None])  # (s, W * ps)
-            hist_pos = jnp.where(in_prompt, jj[None], plen[:, None] + gg)
-
-            def gather(pool):  # (pages, kv, ps, hd) -> (s, kv, W * ps, hd)
-                g = pool[hist]  # (s, W, kv, ps, hd)
-                return g.transpose(0, 2, 1, 3, 4).reshape(s, g.shape[2], W * ps, g.shape[4])
-
-            hk = tuple(gather(p) for p in state["k"])
-            hv = tuple(gather(p) for p in state["v"])
             rshape = (s, mcfg.num_key_value_heads, C, mcfg.head_dim)
             zeros = tuple(jnp.zeros(rshape, state["k"][0].dtype) for _ in range(mcfg.num_hidden_layers))
 
@@ -289,8 +316,8 @@ class ContinuousSampler:
                 logprobs = c["logprobs"].at[rows, at].set(lp, mode="drop")
                 glen = c["glen"] + act
                 go = act & ~jnp.isin(tok, stop) & (glen < c["limit"])  # still running: feed tok back
-                logits, rk, rv = self._decode_forward(params, hk, hv, c["rk"], c["rv"], c["i"], tok, c["glen"],
-                                                      plen, hist_ok, hist_pos, g0)
+                logits, rk, rv = self._decode_forward(params, state["k"], state["v"], hist, nblk, c["rk"], c["rv"],
+                                                      c["i"], tok, c["glen"], plen, g0)
                 return c | dict(i=c["i"] + 1, logits=logits, rk=rk, rv=rv, tokens=tokens, logprobs=logprobs,
                                 glen=glen, active=go, fed=c["fed"] + go, steps=c["steps"] + 1,
                                 busy=c["busy"] + jnp.sum(act, dtype=jnp.int32))
@@ -336,22 +363,23 @@ class ContinuousSampler:
                 jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n, L // self.ps), i32),
                 jax.ShapeDtypeStruct((n,), i32))
 
-    def _chunk_args(self, n: int, w: int):
+    def _chunk_args(self, n: int):
         i32 = jnp.int32
         vec = jax.ShapeDtypeStruct((n,), i32)
         flag = jax.ShapeDtypeStruct((n,), jnp.bool_)
         admit = {"on": flag, "reset": flag, "handle": vec, "plen": vec, "limit": vec, "row": vec}
-        return (self.e.param_structs, self._state_structs(), vec, jax.ShapeDtypeStruct((n, self.MP + w), i32),
-                jax.ShapeDtypeStruct((n, self.NW), i32), admit, jax.ShapeDtypeStruct((2,), jnp.uint32))
+        return (self.e.param_structs, self._state_structs(), vec, jax.ShapeDtypeStruct((n, self.TW), i32),
+                jax.ShapeDtypeStruct((n, self.NW), i32), admit, jax.ShapeDtypeStruct((2,), jnp.uint32),
+                jax.ShapeDtypeStruct((), i32))
 
     def _plen(self, bucket: int) -> int:
         return math.ceil(bucket / self.ps) * self.ps
 
     def cells(self) -> list[tuple]:
-        """Every program of the grid: ("prefill", prompts, length) and ("decode", slots, view pages)."""
+        """Every program of the grid: ("prefill", prompts, length) and ("decode", slots)."""
         out = [("prefill", n, self._plen(p)) for n in self.prefill_rows for p in self.cfg.prompt_buckets]
         out = list(dict.fromkeys(out))
-        return out + [("decode", n, w) for n in self.slot_buckets for w in self.views]
+        return out + [("decode", n) for n in self.slot_buckets]
 
     def ensure(self, cell: tuple) -> None:
         """Build ``cell`` if missing (counted as a compile: after ``precompile`` it never is)."""
@@ -360,10 +388,10 @@ class ContinuousSampler:
         if cell[0] == "prefill":  # logged as ("prefill:n", length, 0)
             self._compile(cell, (f"prefill:{cell[1]}", cell[2], 0), self._prefill_fn(),
                           self._prefill_args(cell[1], cell[2]))
-        else:  # logged as ("decode:slots", tokens a slot's history view holds, steps per chunk)
-            n, w = cell[1], cell[2]
-            self._compile(cell, (f"decode:{n}", (self.MP + w) * self.ps, self.C), self._chunk_fn(),
-                          self._chunk_args(n, w))
+        else:  # logged as ("decode:slots", tokens a slot's history may hold, steps per chunk)
+            n = cell[1]
+            self._compile(cell, (f"decode:{n}", (self.MP + self.MG) * self.ps, self.C), self._chunk_fn(),
+                          self._chunk_args(n))
 
     def programs(self) -> list:
         """The compiled prefill and decode-chunk executables."""
@@ -478,15 +506,16 @@ class ContinuousSampler:
                 if queue:
                     raise RuntimeError("continuous sampler admitted nothing with every slot free (pool too small)")
                 break
-            # 3. the smallest slot bucket that holds the busy rows, and the narrowest history view
+            # 3. the smallest slot bucket that holds the busy rows; attention reads as many blocks
+            # of the block table as the longest history needs
             n = len(busy)
             sb = pick_bucket(n, self.slot_buckets, "busy slots")
-            w = pick_bucket(max(1, max(math.ceil(x.glen / ps) for x in busy)), self.views, "generated pages")
+            nblk = math.ceil((self.MP + max(math.ceil(x.glen / ps) for x in busy)) / self.BP)
             src = np.zeros(sb, np.int32)
             admit = {"on": np.zeros(sb, bool), "reset": np.ones(sb, bool), "handle": np.zeros(sb, np.int32),
                      "plen": np.zeros(sb, np.int32), "limit": np.full(sb, n_new, np.int32),
                      "row": np.zeros(sb, np.int32)}
-            hist = np.zeros((sb, self.MP + w), np.int32)
+            hist = np.zeros((sb, self.TW), np.int32)
             wpages = np.zeros((sb, self.NW), np.int32)
             live = 0
             for j, x in enumerate(busy):
@@ -510,12 +539,12 @@ class ContinuousSampler:
             c["peak_pages"] = max(c["peak_pages"], used)
             c["samples"] += 1
             # 4. one decode chunk
-            self.ensure(("decode", sb, w))
+            self.ensure(("decode", sb))
             t0 = time.perf_counter()
-            args = (src, hist, wpages, admit, key)
+            args = (src, hist, wpages, admit, key, np.int32(nblk))
             if e.mesh is not None:
                 args = jax.device_put(args, e._replicated)
-            state = self._compiled[("decode", sb, w)](params, state, *args)
+            state = self._compiled[("decode", sb)](params, state, *args)
             active, glen, steps_now = jax.device_get((state["active"], state["glen"], state["steps"]))
             c["chunks"] += 1
             c["slot_steps"] += (int(steps_now) - steps_prev) * sb
