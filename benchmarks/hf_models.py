@@ -27,8 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-           VLLM_ENABLE_V1_MULTIPROCESSING="0")
+# Ray keeps its token auth (as for users): only the test suite turns it off (tests/test_auth_defaults.py)
+ENV = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def machine() -> str:
