@@ -52,6 +52,15 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def _softmax_merge(m, l, acc, scores, weighted_values):
+    """One block of an online softmax: fold ``scores`` (..., k) into the running max ``m``, sum ``l``
+    and value accumulator ``acc``; ``weighted_values(p)`` is the block's values weighted by ``p``."""
+    m_new = jnp.maximum(m, scores.max(-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + weighted_values(p)
+
+
 class _Row:
     """A sample in a decode slot: its row, generated pages, tokens so far, admission order, the
     slot it sat in after the last chunk (-1: admitted, not yet run) and whether it was preempted."""
@@ -222,11 +231,8 @@ class ContinuousSampler:
                 kpos = jnp.where(jj[None] < MP * ps, jj[None], plen[:, None] + gg[None])
                 ok = ok & ((qpos[:, None] - kpos) < window)
             sc = jnp.where(ok[:, None, None, :], sc, jnp.finfo(_F32).min)
-            m_new = jnp.maximum(m, sc.max(-1))
-            alpha = jnp.exp(m - m_new)
-            pr = jnp.exp(sc - m_new[..., None])
-            pv = jnp.einsum("bgrpt,bpgtd->bgrd", pr.reshape(s, nkv, rep, BP, ps), vb.astype(_F32))
-            return m_new, l * alpha + pr.sum(-1), acc * alpha[..., None] + pv
+            return _softmax_merge(m, l, acc, sc, lambda pr: jnp.einsum(
+                "bgrpt,bpgtd->bgrd", pr.reshape(s, nkv, rep, BP, ps), vb.astype(_F32)))
 
         init = (jnp.full((s, nkv, rep), -jnp.inf, _F32), jnp.zeros((s, nkv, rep), _F32),
                 jnp.zeros((s, nkv, rep, hd), _F32))
@@ -262,11 +268,8 @@ class ContinuousSampler:
             ok = recent_ok if window is None else recent_ok & ((qpos[:, None] - recent_pos) < window)
             sr = jnp.einsum("bgrd,bgsd->bgrs", qg, rk[li].astype(_F32)) * hd**-0.5
             sr = jnp.where(ok[:, None, None, :], sr, jnp.finfo(_F32).min)
-            m_new = jnp.maximum(m, sr.max(-1))
-            alpha = jnp.exp(m - m_new)
-            pr = jnp.exp(sr - m_new[..., None])
-            acc = acc * alpha[..., None] + jnp.einsum("bgrs,bgsd->bgrd", pr, rv[li].astype(_F32))
-            l = l * alpha + pr.sum(-1)
+            m, l, acc = _softmax_merge(m, l, acc, sr,
+                                       lambda pr: jnp.einsum("bgrs,bgsd->bgrd", pr, rv[li].astype(_F32)))
             att = (acc / l[..., None]).astype(x.dtype).reshape(s, 1, nh * hd)
             x = x + jax_llama._out_proj(params, mcfg, li, att)
             x = jax_llama._mlp_block(params, mcfg, li, x)
@@ -275,7 +278,7 @@ class ContinuousSampler:
     _PER_SLOT = ("logits", "glen", "plen", "limit", "row", "active", "tokens", "logprobs")
 
     def _chunk_fn(self):
-        T, C, pad, ps, MP = self.T, self.C, self.e.pad_id, self.ps, self.MP
+        T, C, pad, ps = self.T, self.C, self.e.pad_id, self.ps
         stop = jnp.asarray(self.stop, jnp.int32)
         choose = self.choose
         mcfg = self.mcfg
