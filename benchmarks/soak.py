@@ -1,8 +1,11 @@
 """Soak (issue 19): many steps of a tiny config; the driver's RSS is sampled as steps complete and
 must stay flat (bounded spans, events, records; files are the record).
 
-    python benchmarks/soak.py --steps 5000 --early 500       # the acceptance run
-    python benchmarks/soak.py --steps 600 --early 100        # a reduced run
+    python benchmarks/soak.py --steps 5000 --early 500 --full   # the acceptance run (issue 34)
+    python benchmarks/soak.py --steps 600 --early 100            # a reduced run
+
+``--full`` runs what a user's long job runs: a checkpoint every 100 steps, the sync probe every 10 steps
+and the live dashboard (any free loopback port), instead of all three off.
 
 One JSON document: driver RSS (MB) per sampled step, the growth from step ``--early`` to the end,
 ``trace.json``'s event count against ``health.trace_max_spans``, wall time, the step rate, and the machine,
@@ -35,6 +38,7 @@ TINY = ["placement.sampler_chips=1", "placement.trainer_chips=1", "trainer.promp
         "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=1",
         "sync.verify_every=0", "checkpoint.every_steps=0", "progress=false", "health.trace_max_spans=2000",
         "health.trace_every_s=5", "trainer.target_reward=null"]  # every step runs
+FULL = ["checkpoint.every_steps=100", "sync.verify_every=10", "dashboard.enabled=true", "dashboard.port=0"]
 
 
 def bench_all():
@@ -62,7 +66,10 @@ def main() -> int:
     ap.add_argument("--early", type=int, default=500, help="the step whose RSS is the baseline")
     ap.add_argument("--every", type=int, default=100, help="sample RSS every this many steps")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/single/soak-<machine>-<date>.json")
+    ap.add_argument("--full", action="store_true", help="checkpoints every 100 steps, probes every 10, dashboard on")
     args = ap.parse_args()
+    keys = {o.split("=")[0] for o in FULL}
+    tiny = [*(o for o in TINY if o.split("=")[0] not in keys), *FULL] if args.full else TINY
     A = bench_all()
     mach = A.machine()
     out = Path(args.out) if args.out else (ROOT / "benchmarks" / "results" / "single" /
@@ -70,11 +77,11 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="rltpu-soak-")) / "run"
     cmd = [sys.executable, "-m", "rltpu.cli", "train", str(QUICKSTART), f"run_dir={run_dir}",
-           f"trainer.steps={args.steps}", *TINY]
+           f"trainer.steps={args.steps}", *tiny]
     meta = {"benchmark": "soak", "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "train_command": " ".join(cmd[1:]), "machine": mach, **A.commit_info(),
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "loadavg_before": A.loadavg(),
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "full": args.full}
     load = A.LoadSampler(every=30.0)
     load.start()
     log = open(run_dir.parent / "train.log", "w+")
