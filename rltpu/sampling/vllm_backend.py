@@ -62,6 +62,30 @@ def _load_weights(worker, named: list) -> None:
     gate/up and takes this worker's TP shard; then its CPU kernels repack the weights again, which is
     why a plain ``model.load_weights`` after the first load finds emptied parameters)."""
     worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+    _repack_cpu_experts(worker.model_runner.get_model())
+
+
+def _repack_cpu_experts(model) -> int:
+    """Pack MoE experts for vLLM's CPU kernel again after an in-place reload. Why: vLLM 0.32 prepacks
+    them (``CPUUnquantizedExperts.process_weights_after_loading``) only on the first load; on a weight
+    update its ``_setup_kernel`` copies the new experts into the packed storage unpacked, and the
+    kernel then reads scrambled weights (Qwen3-MoE: prompt logprobs off by 0.07 from transformers'
+    after one sync). The packing keeps the shape, so it is redone in place. Returns the layers packed."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # not the CPU build (vLLM's TPU build has its own MoE path)
+        return 0
+    n = 0
+    for mod in model.modules():
+        experts = getattr(getattr(getattr(mod, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            p = getattr(mod, name)
+            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), experts.isa))
+        n += 1
+    return n
 
 
 def _model_param_count(worker) -> int:
