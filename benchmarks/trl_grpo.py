@@ -18,9 +18,11 @@ GRPO with the same settings: KL coefficient 0 (no reference model), one update p
 * TRL: ``GRPOTrainer`` (generation by ``transformers``' ``generate``, CPU, every core of the machine as
   torch threads unless ``--trl-threads``); ``trl_step_s`` is one optimizer step (generation + scoring + update), timed by a
   callback, ``trl_generate_s`` the generation-and-scoring part of it;
-* rltpu: ``rltpu train`` with 1 sampler + 1 trainer chip, disaggregated (emulated chips: one core each),
-  ``step_s`` / ``sample_s`` / ``train_s`` from its ``metrics.jsonl``, ``trainer_busy_s`` the trainer's own
-  ``train_step`` seconds;
+* rltpu: ``rltpu train`` with 1 sampler + 1 trainer chip, disaggregated (emulated chips: one core each,
+  so each phase runs on one of the two cores while the other role waits), and (``rltpu_colocated``) on 2
+  colocated chips, each process a sampler and an FSDP2 trainer rank, so every phase uses both cores as
+  TRL's process does; ``step_s`` / ``sample_s`` / ``train_s`` from its ``metrics.jsonl``,
+  ``trainer_busy_s`` the trainer's own ``train_step`` seconds;
 * time to first step: from the process's launch to the end of the first step (TRL: the callback; rltpu:
   the first ``metrics.jsonl`` line), so imports, Ray, compilation and loading are all in it; rltpu's
   ``startup_s`` splits it by phase (its ``trace.json``) and ``compiling`` says how many sampler programs
@@ -178,15 +180,21 @@ def run_trl(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, ste
 # rltpu train, in a child process
 
 
-def rltpu_config(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, steps: int) -> dict:
+def rltpu_config(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, steps: int,
+                 colocated: bool = False) -> dict:
+    """disaggregated: 1 sampler + 1 trainer chip (one core each; the phases alternate, so each uses one
+    of the two cores). colocated: 2 chips, each process both a sampler and an FSDP2 trainer rank, so
+    every phase runs on both cores, as TRL's one process does."""
+    placement = ({"mode": "colocated", "sampler_chips": 2, "trainer_chips": 2} if colocated
+                 else {"sampler_chips": 1, "trainer_chips": 1})
     return {
         "name": "trl-grpo-bench", "seed": 0, "progress": False,
         "cluster": {"generation": "v5e", "topology": "2x2", "slices": 1},
-        "placement": {"sampler_chips": 1, "trainer_chips": 1},
+        "placement": placement,
         "model": {"path": str(ckpt)},
         "task": {"dataset": str(dataset), "tokenizer": str(tokdir), "reward_fn": "rltpu.data.rewards:partial_credit"},
-        "sampler": {"group_size": GROUP, "temperature": 1.0, "max_new_tokens": tokens, "batch_buckets": [rows],
-                    "prompt_buckets": [PROMPT_BUCKET]},
+        "sampler": {"group_size": GROUP, "temperature": 1.0, "max_new_tokens": tokens,
+                    "batch_buckets": [rows // 2 if colocated else rows], "prompt_buckets": [PROMPT_BUCKET]},
         "trainer": {"steps": steps, "prompts_per_step": rows // GROUP, "lr": LR, "betas": [0.9, 0.99],
                     "weight_decay": 0.0, "warmup_steps": 0, "kl_coef": 0.0, "grad_clip": 1.0, "clip_eps": 0.2,
                     "ppo_epochs": 1, "algorithm": "grpo", "loss_agg_mode": "token-mean"},
@@ -266,7 +274,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=WORKLOADS)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--systems", default="trl,rltpu")
+    ap.add_argument("--systems", default="trl,rltpu,rltpu_colocated")
     ap.add_argument("--out", default=None)
     ap.add_argument("--trl-threads", type=int, default=0, help="torch threads in TRL's process (0: torch's default, "
                     "one per core); a loaded machine slows multi-threaded torch far more than one thread")
@@ -314,37 +322,49 @@ def main() -> int:
                           "raw": t, "loadavg_before": load0, "loadavg_after": list(os.getloadavg())}
             print(f"{spec} TRL: step {res['trl']['step_s']} s, first step {res['trl']['first_step_s']} s",
                   file=sys.stderr)
-        if "rltpu" in systems:
+        for system in [s for s in ("rltpu", "rltpu_colocated") if s in systems]:
+            colocated = system == "rltpu_colocated"
+            if colocated and rows // GROUP < 2:
+                continue  # one prompt a step cannot be split over two processes
             load0 = list(os.getloadavg())
-            cfg = rltpu_config(ckpts[name], tokdir, dataset, rows, tokens, args.steps)
-            r = run_rltpu(cfg, wdir)
+            cfg = rltpu_config(ckpts[name], tokdir, dataset, rows, tokens, args.steps, colocated)
+            sdir = wdir / system
+            sdir.mkdir()
+            r = run_rltpu(cfg, sdir)
             st = r["steps"][1:]
-            res["rltpu"] = {k: med([s[k] for s in st]) for k in ("step_s", "sample_s", "train_s", "sync_s",
-                                                                  "trainer_busy_s")}
-            res["rltpu"] |= {"first_step_s": round(r["first_step_s"], 2), "startup_s": r["startup_s"],
+            res[system] = {k: med([s[k] for s in st]) for k in ("step_s", "sample_s", "train_s", "sync_s",
+                                                                 "trainer_busy_s")}
+            res[system] |= {"first_step_s": round(r["first_step_s"], 2), "startup_s": r["startup_s"],
                              "compiling": r["compiling"],
                              "wall_s": round(r["wall_s"], 1),
                              "mean_completion_len": round(statistics.fmean(s["response_len"] for s in r["steps"]), 1),
                              "config": cfg, "raw_steps": r["steps"], "loadavg_before": load0,
                              "loadavg_after": list(os.getloadavg())}
-            print(f"{spec} rltpu: step {res['rltpu']['step_s']} s (sample {res['rltpu']['sample_s']}, train "
-                  f"{res['rltpu']['train_s']}), first step {res['rltpu']['first_step_s']} s", file=sys.stderr)
-        if "trl" in res and "rltpu" in res:
-            tr, rl = res["trl"], res["rltpu"]
-            res["ratios"] = {"train_over_trl_step": round(rl["train_s"] / tr["step_s"], 3),
-                             "step_over_trl_step": round(rl["step_s"] / tr["step_s"], 3),
-                             "first_step_over_trl": round(rl["first_step_s"] / tr["first_step_s"], 3)}
+            rl = res[system]
+            print(f"{spec} {system}: step {rl['step_s']} s (sample {rl['sample_s']}, train {rl['train_s']}), "
+                  f"first step {rl['first_step_s']} s", file=sys.stderr)
+        for system in ("rltpu", "rltpu_colocated"):
+            if "trl" in res and system in res:
+                tr, rl = res["trl"], res[system]
+                res.setdefault("ratios", {})[system] = {
+                    "train_over_trl_step": round(rl["train_s"] / tr["step_s"], 3),
+                    "step_over_trl_step": round(rl["step_s"] / tr["step_s"], 3),
+                    "first_step_over_trl": round(rl["first_step_s"] / tr["first_step_s"], 3)}
         results[spec] = res
     env["loadavg_end"] = list(os.getloadavg())
-    table = ["| workload | TRL step (generation + update) | rltpu step | rltpu sample / train | "
-             "time to first step TRL / rltpu |", "|---|---|---|---|---|"]
+    table = ["| workload | TRL step (generation + update) | rltpu layout | rltpu step | rltpu sample / train | "
+             "time to first step TRL / rltpu |", "|---|---|---|---|---|---|"]
     for res in results.values():
-        tr, rl = res.get("trl", {}), res.get("rltpu", {})
-        table.append(f"| {res['model']}, {res['rows']} rows x {res['max_new_tokens']} tokens | {tr.get('step_s')} s | "
-                     f"{rl.get('step_s')} s | {rl.get('sample_s')} / {rl.get('train_s')} s | "
-                     f"{tr.get('first_step_s')} s / {rl.get('first_step_s')} s |")
+        tr = res.get("trl", {})
+        for system, layout in (("rltpu", "1 sampler + 1 trainer"), ("rltpu_colocated", "2 colocated")):
+            if system not in res:
+                continue
+            rl = res[system]
+            table.append(f"| {res['model']}, {res['rows']} rows x {res['max_new_tokens']} tokens | {tr.get('step_s')} s | "
+                         f"{layout} | {rl.get('step_s')} s | {rl.get('sample_s')} / {rl.get('train_s')} s | "
+                         f"{tr.get('first_step_s')} s / {rl.get('first_step_s')} s |")
     m = machine()
-    doc = {"benchmark": "TRL GRPOTrainer vs rltpu train (1 sampler + 1 trainer chip), equal work",
+    doc = {"benchmark": "TRL GRPOTrainer vs rltpu train (1 sampler + 1 trainer chip; 2 colocated chips), equal work",
            "machine": m, "date": dt.date.today().isoformat(), **commit_info(),
            "command": " ".join([".venv/bin/python", "benchmarks/trl_grpo.py", *sys.argv[1:]]),
            "steps": args.steps, "env": env, "workloads": results, "table": table,
