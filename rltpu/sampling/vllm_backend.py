@@ -69,8 +69,8 @@ def _repack_cpu_experts(model) -> int:
     """Pack MoE experts for vLLM's CPU kernel again after an in-place reload. Why: vLLM 0.32 prepacks
     them (``CPUUnquantizedExperts.process_weights_after_loading``) only on the first load; on a weight
     update its ``_setup_kernel`` copies the new experts into the packed storage unpacked, and the
-    kernel then reads scrambled weights (Qwen3-MoE: prompt logprobs off by 0.07 from transformers'
-    after one sync). The packing keeps the shape, so it is redone in place. Returns the layers packed."""
+    kernel then reads scrambled weights (tiny Qwen3-MoE: token logprobs off from transformers' by up to
+    2 nats). The packing keeps the shape, so it is redone in place. Returns the layers packed."""
     try:
         from vllm import _custom_ops as ops
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
