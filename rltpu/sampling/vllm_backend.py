@@ -83,7 +83,7 @@ def _repack_cpu_experts(model) -> int:
             continue
         for name in ("w13_weight", "w2_weight"):
             p = getattr(mod, name)
-            p.data.copy_(ops.cpu_prepack_moe_weight(p.data.clone(), experts.isa))
+            p.data.copy_(ops.cpu_prepack_moe_weight(p.data, experts.isa))  # packs into a new tensor
         n += 1
     return n
 
