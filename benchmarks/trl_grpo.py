@@ -108,6 +108,11 @@ def trl_child(args) -> int:
 
     if args.trl_threads:
         torch.set_num_threads(args.trl_threads)
+    if not args.trl_with_vllm:
+        # TRL imports vLLM at import time whenever it is installed (here: rltpu's `vllm` extra), about 10 s on
+        # this machine, though its GRPO with use_vllm=False never calls it; a user of `pip install trl` does not
+        # pay that, so the baseline does not either (find_spec sees None and TRL takes vLLM as absent)
+        sys.modules["vllm"] = None
     from datasets import load_dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -152,14 +157,14 @@ def trl_child(args) -> int:
 
     trainer._generate_and_score_completions = timed
     trainer.train()
-    doc = {"threads": torch.get_num_threads(), "step_s": times["steps"], "generate_s": times["generate"],
+    doc = {"threads": torch.get_num_threads(), "vllm_imported": sys.modules.get("vllm") is not None, "step_s": times["steps"], "generate_s": times["generate"],
            "mean_completion_len": lengths, "first_step_s": times["first_step_end_wall"] - t_launch}
     Path(args.json_out).write_text(json.dumps(doc))
     return 0
 
 
 def run_trl(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, steps: int, work: Path,
-            threads: int) -> dict:
+            threads: int, with_vllm: bool = False) -> dict:
     out = work / "trl.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TORCH_DEVICE_BACKEND_AUTOLOAD="0", TOKENIZERS_PARALLELISM="false",
@@ -169,7 +174,7 @@ def run_trl(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, ste
     t = time.time()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-child", "--t-launch", repr(t), "--ckpt", str(ckpt),
            "--tokenizer", str(tokdir), "--dataset", str(dataset), "--rows", str(rows), "--tokens", str(tokens),
-           "--steps", str(steps), "--work", str(work / "trl"), "--json-out", str(out), "--trl-threads", str(threads)]
+           "--steps", str(steps), "--work", str(work / "trl"), "--json-out", str(out), "--trl-threads", str(threads)] + (["--trl-with-vllm"] if with_vllm else [])
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode:
         raise RuntimeError(f"TRL run failed: {res.stderr.strip().splitlines()[-10:]}")
@@ -278,6 +283,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--trl-threads", type=int, default=0, help="torch threads in TRL's process (0: torch's default, "
                     "one per core); a loaded machine slows multi-threaded torch far more than one thread")
+    ap.add_argument("--trl-with-vllm", action="store_true", help="let TRL import vLLM when installed (it does so at "
+                    "import even with use_vllm=False; off by default: `pip install trl` has no vLLM)")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     for a in ("t-launch", "ckpt", "tokenizer", "dataset", "work", "json-out"):
         ap.add_argument(f"--{a}", help=argparse.SUPPRESS)
@@ -300,6 +307,7 @@ def main() -> int:
     dataset = write_dataset(work / "copy.jsonl")
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "trl": trl.__version__, "trl_threads": args.trl_threads or "torch default (one per core)",
+           "trl_imports_vllm": args.trl_with_vllm,
            "affinity": len(os.sched_getaffinity(0)), "loadavg_start": list(os.getloadavg())}
     ckpts, results = {}, {}
     t_start = time.perf_counter()
@@ -314,7 +322,8 @@ def main() -> int:
         res: dict = {"model": name, "rows": rows, "max_new_tokens": tokens, "group_size": GROUP}
         if "trl" in systems:
             load0 = list(os.getloadavg())
-            t = run_trl(ckpts[name], tokdir, dataset, rows, tokens, args.steps, wdir, args.trl_threads)
+            t = run_trl(ckpts[name], tokdir, dataset, rows, tokens, args.steps, wdir, args.trl_threads,
+                        args.trl_with_vllm)
             res["trl"] = {"step_s": med(t["step_s"][1:]), "generate_s": med(t["generate_s"][1:]),
                           "update_s": med([s - g for s, g in zip(t["step_s"][1:], t["generate_s"][1:])]),
                           "first_step_s": round(t["first_step_s"], 2), "threads": t["threads"],
