@@ -172,16 +172,20 @@ def _train(args, interrupts) -> int:
         preflight_real_chips(cfg, args.address or cfg.cluster.address)
         from rltpu.control.controller import Controller
 
-        controller = Controller(cfg, address=args.address, resume=resume)
-        # everything is checked: take the directory (a lock held until this process ends)
-        moved = rundir.claim(cfg.resolved_run_dir, bool(args.resume), args.new_run)
-        if moved is not None:
-            log.info(f"rltpu: --new-run: the previous run's files are in {moved}")
-        if isinstance(resume, Path):  # resumed from an older checkpoint of this run: the newer ones move aside
-            from rltpu.control.checkpoints import set_aside_newer
+        controller = Controller(cfg, address=args.address, resume=resume)  # Ray is starting in the background
+        try:
+            # everything is checked: take the directory (a lock held until this process ends)
+            moved = rundir.claim(cfg.resolved_run_dir, bool(args.resume), args.new_run)
+            if moved is not None:
+                log.info(f"rltpu: --new-run: the previous run's files are in {moved}")
+            if isinstance(resume, Path):  # resumed from an older checkpoint of this run: the newer ones move aside
+                from rltpu.control.checkpoints import set_aside_newer
 
-            set_aside_newer(resume, cfg.resolved_run_dir)
-        interrupts.check()  # a signal swallowed during the imports above
+                set_aside_newer(resume, cfg.resolved_run_dir)
+            interrupts.check()  # a signal swallowed during the imports above
+        except BaseException:
+            controller.abandon()
+            raise
     except (ConfigError, ValueError, ChipUnavailableError, OSError) as err:
         return _fail(str(err) if not isinstance(err, OSError) else _one_line(err))
     controller.handle_signals = True  # re-installed after ray.init

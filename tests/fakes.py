@@ -379,6 +379,9 @@ class FakePlacement(Placement):
         super().__init__(cfg, mode)
         self.actors = actors
 
+    def begin_cluster(self, address):
+        pass  # no Ray: start_cluster hands over the fakes
+
     def start_cluster(self, address):
         self.ray, self.cluster_info = self.actors.ray, {"mode": "in-process fakes"}
         return self.ray

@@ -44,3 +44,52 @@ def test_first_step_report_adds_up_the_spans():
     assert line.startswith("first step 15.5 s after launch (imports 2.0, prepare 2.0, ray_start 2.0,")
     assert "build 2.0 [compile 1.7, load 0.5]" in line and line.endswith("step 1: sample 0.5, train 0.8, sync 0.2)")
     assert actor_waits([], 1.0) == {"compiling": None, "loading": None}
+
+
+def _ray_children() -> list[str]:
+    """Names of this process's live child processes (Ray's GCS and raylet are children of the driver)."""
+    import os
+
+    names = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[1]) == os.getpid() and rest[0] != "Z":
+            names.append(name)
+    return names
+
+
+def test_ray_starts_while_the_driver_prepares_and_a_failed_check_stops_it(tmp_path, monkeypatch):
+    """Ray starts in a thread once the chip plan holds (``ClusterStart``), beside the tokenizer and
+    data loads; a check in that slow part failing (a vocabulary smaller than the tokenizer's) waits
+    for the start, stops it, and leaves no Ray process and no /tmp/rltpu-ray-* directory."""
+    import glob
+    import threading
+
+    import ray
+
+    import rltpu.chips.cluster as cluster
+    from rltpu.config import ConfigError
+    from rltpu.control.controller import Controller
+    from tests.test_controller_fakes import make_cfg
+
+    started = []
+    real = cluster.start_or_join
+
+    def recording(*args):
+        started.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(cluster, "start_or_join", recording)
+    before = set(glob.glob("/tmp/rltpu-ray-*"))
+    cfg = make_cfg(tmp_path, model__vocab_size=4)
+    with pytest.raises(ConfigError, match="model.vocab_size=4 is smaller than the tokenizer"):
+        Controller(cfg)
+    assert started == ["rltpu-ray-start"]  # it did start, off the main thread
+    assert not ray.is_initialized()
+    assert not [n for n in _ray_children() if "gcs" in n or "raylet" in n]
+    assert set(glob.glob("/tmp/rltpu-ray-*")) - before == set()
+    assert not [t for t in threading.enumerate() if t.name == "rltpu-ray-start"]  # released, not parked

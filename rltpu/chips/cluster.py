@@ -9,6 +9,7 @@ this machine (``ray.cluster_utils.Cluster``: a head plus worker nodes joined to 
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
@@ -127,16 +128,108 @@ def _keep_sigterm_handler():
             ray_utils = None
         real = getattr(ray_utils, "set_sigterm_handler", None)
         ours = signal.getsignal(signal.SIGTERM)
-        if real is not None and callable(ours) and threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        # off the main thread (``ClusterStart``) no handler can be set at all: Ray's head node would
+        # raise ValueError from signal.signal, and ray.init would log that it set none
+        if real is not None and (callable(ours) or not main):
             ray_utils.set_sigterm_handler = lambda handler: None
+        quiet = _NotMainThreadWarning() if not main else None
+        if quiet is not None:
+            logging.getLogger("ray._private.worker").addFilter(quiet)
         try:
             with keep():
                 yield
         finally:
             if real is not None:
                 ray_utils.set_sigterm_handler = real
+            if quiet is not None:
+                logging.getLogger("ray._private.worker").removeFilter(quiet)
 
     return both()
+
+
+class _NotMainThreadWarning(logging.Filter):
+    """Drops ray.init's "SIGTERM handler is not set" warning: off the main thread that is the point."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+class ClusterStart:
+    """``start_or_join`` in a thread, begun as soon as the chip plan holds: Ray's start is 3-5 s of its
+    own processes starting while the driver mostly waits, and the driver meanwhile loads the tokenizer
+    (``transformers``' import alone is 3-5 s), the dataset and the checkpoint headers.
+
+    Begin and ``result`` on the main thread: SIGHUP is ignored from begin to result, as
+    ``start_or_join`` does on the main thread, so Ray's processes inherit it ignored. ``result``
+    returns ``start_or_join``'s dict or raises its error; ``abandon`` waits for the start and stops
+    what it started (a check after it failed: nothing may stay running).
+
+    The thread stays parked after the start until ``release`` (after ``ray.shutdown``): Ray starts its
+    GCS and raylet with ``PR_SET_PDEATHSIG``, which Linux fires when the *thread* that forked them
+    exits, so a finished thread would kill the cluster it just started."""
+
+    def __init__(self, cluster_cfg, table: ChipTable, needed_chips: int, address: str | None, run_dir=None):
+        import signal
+        import threading
+
+        args = (cluster_cfg, table, needed_chips, address, run_dir)
+        self._owns_temp = not address and not cluster_cfg.ray_temp_dir  # a fresh /tmp/rltpu-ray-*
+
+        self._hup = None
+        if threading.current_thread() is threading.main_thread():
+            self._hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self._out: dict = {}
+        self._done, self._released = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=args, name="rltpu-ray-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            self._out["info"] = start_or_join(*args)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread by result()
+            self._out["error"] = err
+            return
+        finally:
+            self._done.set()
+        self._released.wait()  # the forking thread must outlive Ray's processes (PDEATHSIG)
+
+    def release(self) -> None:
+        """Ray is shut down: the parked thread may end."""
+        self._released.set()
+
+    def result(self) -> dict:
+        import signal
+
+        self._done.wait()
+        if self._hup is not None:
+            signal.signal(signal.SIGHUP, self._hup)
+            self._hup = None
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["info"]
+
+    def abandon(self) -> None:
+        try:
+            self.result()
+        except BaseException:  # noqa: BLE001 - it failed to start: nothing to stop beyond the nodes
+            pass
+        import shutil
+
+        import ray
+
+        temp = None
+        if ray.is_initialized():
+            try:
+                temp = ray._private.worker._global_node.get_temp_dir_path()
+            except Exception:  # noqa: BLE001 - Ray internals moved: leave the directory
+                temp = None
+            ray.shutdown()
+        stop_emulated_nodes()
+        self.release()
+        self._thread.join(timeout=5)
+        if self._owns_temp and temp and os.path.basename(temp).startswith("rltpu-ray-"):
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def _start_or_join(ray, cluster_cfg, table: ChipTable, needed_chips: int, address: str | None, auth: str) -> dict:

@@ -214,23 +214,48 @@ class Controller:
         self.address, self.resume = address or cfg.cluster.address, resume
         self.mode = mode or mode_for(cfg.placement)
         self.run_dir = cfg.resolved_run_dir
+        self.placement = placement(cfg, self.mode)  # the chip plan; raises before anything starts
+        check_algorithm(cfg)  # trainer.algorithm names a registered estimator whose needs the config meets
+        # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
+        load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
+        if cfg.env is not None:  # a bad path or kwargs fails here, before Ray starts
+            make_env(load_env_class(cfg.env.path), cfg.env.kwargs)
+        check_loggers(cfg)  # a configured logger's missing package fails before Ray starts
+        # the quick checks held: Ray starts in the background while the slow ones below load the
+        # tokenizer, the data and the checkpoint headers; one of them failing stops it again
+        self.placement.begin_cluster(self.address)
+        try:
+            self._prepare(cfg)
+        except BaseException:
+            self.placement.abandon()
+            raise
+        # trace.json's clock starts at the process's launch: imports and this preparation are its first spans
+        self.launched = self.supervisor.t0 = launch_time()
+        self.first_step: dict | None = None  # first_step_report, once this process's first step is written
+        for name, start, end in (("imports", self.launched, t_prepare), ("prepare", t_prepare, time.time())):
+            self.supervisor.spans.append({"actor": "controller", "pid": os.getpid(), "phase": name, "start": start,
+                                          "end": end, "step": self.step_idx})
+
+    def abandon(self) -> None:
+        """The CLI's checks after construction failed (the run directory is taken): stop the Ray that
+        ``__init__`` began starting; nothing else has run."""
+        self.placement.abandon()
+
+    def _prepare(self, cfg: RunConfig) -> None:
+        """The slow part of construction (the tokenizer, the data, the checkpoint's headers, the
+        probe batch), while Ray starts; then the run's state, empty until ``start``."""
         # one factory for both data sources: the built-in task + char tokenizer, or a prompt file +
         # a Hugging Face tokenizer (whose extra EOS ids become sampler stop tokens)
         self.tokenizer = build_tokenizer(cfg)
         self.cfg = cfg = with_tokenizer_stops(cfg, self.tokenizer)
-        self.placement = placement(cfg, self.mode)  # the chip plan; raises before anything starts
+        self.placement.use_tokenizer_stops(cfg)
         self.vocab = resolve_vocab(cfg, self.tokenizer)
         bad = [t for t in cfg.sampler.stop_token_ids if t >= self.vocab]
         if bad:  # an id past the vocabulary never stops a row (or indexes past the logits)
             raise ConfigError(f"sampler.stop_token_ids has {bad[0]}, but the vocabulary has {self.vocab} ids "
                               f"(0..{self.vocab - 1}); remove it or use the tokenizer's id")
-        check_algorithm(cfg)  # trainer.algorithm names a registered estimator whose needs the config meets
-        # imported here once so a bad path or keyword fails before Ray starts; the reward workers run it
-        load_reward_fn(cfg.task.reward_fn, cfg.task.reward_kwargs)
         self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray
         self.envs: EnvPool | None = None  # env: the environment workers (one per sampler), started with Ray
-        if cfg.env is not None:  # a bad path or kwargs fails here, before Ray starts
-            make_env(load_env_class(cfg.env.path), cfg.env.kwargs)
         # held-out evaluation: its file is read and checked here, before Ray starts
         self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed,
                                    episodes=cfg.env is not None) if cfg.eval else None
@@ -263,18 +288,11 @@ class Controller:
         self.checkpoints: Checkpoints | None = None
         self.compile_log, self.compile_summary = [], {}
         self._reward_parts: dict = {}
-        check_loggers(cfg)  # a configured logger's missing package fails before Ray starts
         # health monitor, fencing, replacement, rewind: it gets the placement and what it may ask of this run
         self.supervisor = Supervisor(cfg, self.run_dir, self.placement, Job(
             progress=lambda: (self.step_idx, self.version), build_samplers=self.build_samplers,
             build_trainers=self.build_trainers, rewind=self.rewind_to_checkpoint, redraw=self.draws.rewind,
             reward_health=lambda: self.rewards.health() if self.rewards is not None else None))
-        # trace.json's clock starts at the process's launch: imports and this preparation are its first spans
-        self.launched = self.supervisor.t0 = launch_time()
-        self.first_step: dict | None = None  # first_step_report, once this process's first step is written
-        for name, start, end in (("imports", self.launched, t_prepare), ("prepare", t_prepare, time.time())):
-            self.supervisor.spans.append({"actor": "controller", "pid": os.getpid(), "phase": name, "start": start,
-                                          "end": end, "step": self.step_idx})
 
     @property
     def emulated(self) -> bool:

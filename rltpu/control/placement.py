@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from rltpu.chips.cluster import PlacementError, start_or_join
+from rltpu.chips.cluster import ClusterStart, PlacementError, start_or_join
 from rltpu.chips.topology import (ChipTable, Role, assign_roles, check_disjoint, trainer_processes,
                                   unimplemented_parallelism)
 from rltpu.config import ConfigError, RunConfig, sections_of
@@ -107,11 +107,39 @@ class Placement:
         self.planned_chips: list = []
         self.launch_envs: list[dict[str, str]] | None = None  # real chips: TorchTPU's, per trainer rank
         self.ray = None
+        self._starting: ClusterStart | None = None  # begin_cluster's background start
+
+    def use_tokenizer_stops(self, cfg: RunConfig) -> None:
+        """``cfg`` = this plan's config plus the tokenizer's extra stop ids (``with_tokenizer_stops``),
+        for the ``sampler`` section each actor gets: they are known only once the tokenizer has
+        loaded, which happens while Ray starts (``begin_cluster``). Anything else differing is a bug."""
+        if cfg.model_copy(update={"sampler": self.cfg.sampler}) != self.cfg or \
+                cfg.sampler.model_copy(update={"stop_token_ids": self.cfg.sampler.stop_token_ids}) != self.cfg.sampler:
+            raise ValueError("use_tokenizer_stops: the config differs in more than sampler.stop_token_ids")
+        self.cfg = cfg
+
+    def begin_cluster(self, address: str | None) -> None:
+        """Start Ray in the background (``ClusterStart``) while the caller prepares; ``start_cluster``
+        takes it over, ``abandon`` stops it if the caller fails first."""
+        needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
+        self._starting = ClusterStart(self.cfg.cluster, self.table, needed, address, self.cfg.resolved_run_dir)
+
+    def abandon(self) -> None:
+        """A check failed after ``begin_cluster``: wait for Ray's start and stop what it started."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            starting.abandon()
 
     def start_cluster(self, address: str | None):
-        """Start an embedded Ray with the chips emulated, or join ``address``; returns ``ray``."""
-        needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
-        self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address, self.cfg.resolved_run_dir)
+        """Start an embedded Ray with the chips emulated, or join ``address`` (or wait for the start
+        ``begin_cluster`` began); returns ``ray``."""
+        starting = self._starting
+        if starting is not None:
+            self.cluster_info = starting.result()  # (kept: its thread is released at shutdown)
+        else:
+            needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
+            self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address,
+                                              self.cfg.resolved_run_dir)
         import ray
 
         self.ray = ray
@@ -305,6 +333,14 @@ class Placement:
 
     def shutdown(self) -> None:
         """Stop every actor (a last ``shutdown`` call each, then kill), release the chips, stop Ray."""
+        try:
+            self._shutdown()
+        finally:
+            if self._starting is not None:  # Ray is down (or never came up): its starting thread may end
+                self._starting.release()
+                self._starting = None
+
+    def _shutdown(self) -> None:
         ray = self.ray
         if ray is None or not ray.is_initialized():
             return
