@@ -46,6 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# before any torch import: an autoloaded torch_tpu writes TORCH_DEVICE_BACKEND_AUTOLOAD=1 into this
+# process's environment, which the children below inherit (the rltpu driver paid 3-4 s of torch_tpu
+# imports for it in the results files before 2026-12-03d; TRL's child always set 0)
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))

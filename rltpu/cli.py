@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 
 # torch loads every installed device backend at ``import torch`` (entry points); torch_tpu's then
-# opens libtpu in the driver, which owns no chip. Chip-owning processes import it explicitly
-# (``rltpu.chips.backend``) when their claim says the chip is real.
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# opens libtpu in the driver, which owns no chip, and costs 3-4 s of imports (dynamo, inductor).
+# Chip-owning processes import it explicitly (``rltpu.chips.backend``) when their claim says the
+# chip is real. Set, not defaulted: torch writes "1" into the environment of every process that
+# autoloaded, so a launcher that imported torch would otherwise pass it on to this driver.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
 from rltpu.config import ConfigError, load_config  # noqa: E402
 from rltpu.observe.log import log, set_verbosity  # noqa: E402

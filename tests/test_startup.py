@@ -93,3 +93,16 @@ def test_ray_starts_while_the_driver_prepares_and_a_failed_check_stops_it(tmp_pa
     assert not [n for n in _ray_children() if "gcs" in n or "raylet" in n]
     assert set(glob.glob("/tmp/rltpu-ray-*")) - before == set()
     assert not [t for t in threading.enumerate() if t.name == "rltpu-ray-start"]  # released, not parked
+
+
+def test_the_driver_never_autoloads_torch_tpu_even_when_its_parent_did():
+    """torch writes TORCH_DEVICE_BACKEND_AUTOLOAD=1 into the environment of a process that autoloaded
+    its device backends; a driver started from such a launcher must still not import torch_tpu (it
+    owns no chip, and the import alone cost 3-4 s of its start-up)."""
+    import os
+
+    code = "import sys, rltpu.cli, torch; print('torch_tpu' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="1"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
