@@ -17,7 +17,9 @@ GRPO with the same settings: KL coefficient 0 (no reference model), one update p
 
 * TRL: ``GRPOTrainer`` (generation by ``transformers``' ``generate``, CPU, every core of the machine as
   torch threads unless ``--trl-threads``); ``trl_step_s`` is one optimizer step (generation + scoring + update), timed by a
-  callback, ``trl_generate_s`` the generation-and-scoring part of it;
+  callback, ``trl_generate_s`` the generation-and-scoring part of it. TRL imports vLLM at import time
+  whenever it is installed (here: rltpu's ``vllm`` extra), about 10 s, though it never calls it without
+  ``use_vllm``; the child hides it, as ``pip install trl`` would have it (``--trl-with-vllm``: not);
 * rltpu: ``rltpu train`` with 1 sampler + 1 trainer chip, disaggregated (emulated chips: one core each,
   so each phase runs on one of the two cores while the other role waits), and (``rltpu_colocated``) on 2
   colocated chips, each process a sampler and an FSDP2 trainer rank, so every phase uses both cores as

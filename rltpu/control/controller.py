@@ -256,18 +256,18 @@ class Controller:
                               f"(0..{self.vocab - 1}); remove it or use the tokenizer's id")
         self.rewards: RewardPool | None = None  # the CPU reward workers, started with Ray
         self.envs: EnvPool | None = None  # env: the environment workers (one per sampler), started with Ray
-        # held-out evaluation: its file is read and checked here, before Ray starts
+        # held-out evaluation: its file is read and checked here, before any actor starts
         self.evaluator = Evaluator(cfg.eval, cfg.sampler, self.tokenizer, cfg.seed,
                                    episodes=cfg.env is not None) if cfg.eval else None
         self.data = build_dataset(cfg, self.tokenizer)
-        if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before Ray starts
+        if hasattr(self.data, "check_lengths"):  # a prompt file: fail on a too-long row before any actor starts
             st = self.data.check_lengths(self.tokenizer, cfg.sampler)
             logger.info(f"rltpu: dataset {cfg.task.dataset}: {st['rows']} rows, prompt tokens "
                         f"{st['prompt_tokens_min']}/{st['prompt_tokens_mean']:.1f}/{st['prompt_tokens_max']} "
                         f"(min/mean/max)"
                         f"{', ' + str(st['truncated_rows']) + ' truncated' if st['truncated_rows'] else ''}")
         self.spec = param_spec(cfg.model, self.vocab, cfg.trainer.lora)  # LoRA: base + adapters
-        if cfg.model.path:  # every tensor's name, shape and byte range, before Ray starts (headers only)
+        if cfg.model.path:  # every tensor's name, shape and byte range, before any actor starts (headers only)
             from rltpu.models.hf.weights import CheckpointDir
 
             CheckpointDir(cfg.model.path).check(cfg.model, self.vocab)
