@@ -106,3 +106,26 @@ def test_the_driver_never_autoloads_torch_tpu_even_when_its_parent_did():
                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="1"))
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_a_stop_before_ray_is_taken_over_stops_the_background_start(tmp_path):
+    """Ctrl-C while ``start`` waits for Ray's background start (phase ``ray_start``) ends in
+    ``Controller.shutdown`` with ``self.ray`` unset: the start is waited for and stopped, its
+    /tmp/rltpu-ray-* removed (it was left behind, the processes dying with the driver)."""
+    import glob
+    import threading
+
+    import ray
+
+    from rltpu.control.controller import Controller
+    from tests.test_controller_fakes import make_cfg
+
+    before = set(glob.glob("/tmp/rltpu-ray-*"))
+    ctl = Controller(make_cfg(tmp_path))
+    assert ctl.ray is None and [t for t in threading.enumerate() if t.name == "rltpu-ray-start"]
+    assert "(ray_start)" not in ctl.stop_on_interrupt()  # not started: "before Ray" until start() waits on it
+    ctl.shutdown("stopped")
+    assert not ray.is_initialized()
+    assert not [n for n in _ray_children() if "gcs" in n or "raylet" in n]
+    assert set(glob.glob("/tmp/rltpu-ray-*")) - before == set()
+    assert not [t for t in threading.enumerate() if t.name == "rltpu-ray-start"]

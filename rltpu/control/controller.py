@@ -891,7 +891,8 @@ class Controller:
         if not self.started or self.checkpoints is None:
             self._close_writer()
             kept = any((self.run_dir / d / "trainer_state.json").exists() for d in ("checkpoint", "checkpoint.prev"))
-            return (f"during start-up ({self.phase if self.ray else 'before Ray'}); nothing trained in this run"
+            where = self.phase if self.ray or self.phase == "ray_start" else "before Ray"
+            return (f"during start-up ({where}); nothing trained in this run"
                     + (f"; the checkpoint in {self.run_dir} is kept (--resume)" if kept else
                        f"; run again (--resume also starts from step 0 here)"))
         phase = self.phase

@@ -336,9 +336,13 @@ class Placement:
         try:
             self._shutdown()
         finally:
-            if self._starting is not None:  # Ray is down (or never came up): its starting thread may end
-                self._starting.release()
-                self._starting = None
+            starting, self._starting = self._starting, None
+            if starting is not None and self.ray is None:
+                # stopped (a signal, a failed check) before start_cluster took the start over: wait for
+                # it and stop what it started, its /tmp/rltpu-ray-* included
+                starting.abandon()
+            elif starting is not None:  # Ray is down: its starting thread may end
+                starting.release()
 
     def _shutdown(self) -> None:
         ray = self.ray
