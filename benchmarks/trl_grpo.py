@@ -164,7 +164,8 @@ def trl_child(args) -> int:
 
     trainer._generate_and_score_completions = timed
     trainer.train()
-    doc = {"threads": torch.get_num_threads(), "vllm_imported": sys.modules.get("vllm") is not None, "step_s": times["steps"], "generate_s": times["generate"],
+    doc = {"threads": torch.get_num_threads(), "vllm_imported": sys.modules.get("vllm") is not None,
+           "step_s": times["steps"], "generate_s": times["generate"],
            "mean_completion_len": lengths, "first_step_s": times["first_step_end_wall"] - t_launch}
     Path(args.json_out).write_text(json.dumps(doc))
     return 0
@@ -181,7 +182,8 @@ def run_trl(ckpt: Path, tokdir: Path, dataset: Path, rows: int, tokens: int, ste
     t = time.time()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-child", "--t-launch", repr(t), "--ckpt", str(ckpt),
            "--tokenizer", str(tokdir), "--dataset", str(dataset), "--rows", str(rows), "--tokens", str(tokens),
-           "--steps", str(steps), "--work", str(work / "trl"), "--json-out", str(out), "--trl-threads", str(threads)] + (["--trl-with-vllm"] if with_vllm else [])
+           "--steps", str(steps), "--work", str(work / "trl"), "--json-out", str(out), "--trl-threads", str(threads),
+           *(["--trl-with-vllm"] if with_vllm else [])]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode:
         raise RuntimeError(f"TRL run failed: {res.stderr.strip().splitlines()[-10:]}")

@@ -175,7 +175,6 @@ class ClusterStart:
 
         args = (cluster_cfg, table, needed_chips, address, run_dir)
         self._owns_temp = not address and not cluster_cfg.ray_temp_dir  # a fresh /tmp/rltpu-ray-*
-
         self._hup = None
         if threading.current_thread() is threading.main_thread():
             self._hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -113,16 +113,19 @@ class Placement:
         """``cfg`` = this plan's config plus the tokenizer's extra stop ids (``with_tokenizer_stops``),
         for the ``sampler`` section each actor gets: they are known only once the tokenizer has
         loaded, which happens while Ray starts (``begin_cluster``). Anything else differing is a bug."""
-        if cfg.model_copy(update={"sampler": self.cfg.sampler}) != self.cfg or \
-                cfg.sampler.model_copy(update={"stop_token_ids": self.cfg.sampler.stop_token_ids}) != self.cfg.sampler:
+        same_stops = cfg.sampler.model_copy(update={"stop_token_ids": self.cfg.sampler.stop_token_ids})
+        if cfg.model_copy(update={"sampler": same_stops}) != self.cfg:
             raise ValueError("use_tokenizer_stops: the config differs in more than sampler.stop_token_ids")
         self.cfg = cfg
 
     def begin_cluster(self, address: str | None) -> None:
         """Start Ray in the background (``ClusterStart``) while the caller prepares; ``start_cluster``
         takes it over, ``abandon`` stops it if the caller fails first."""
-        needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
-        self._starting = ClusterStart(self.cfg.cluster, self.table, needed, address, self.cfg.resolved_run_dir)
+        self._starting = ClusterStart(self.cfg.cluster, self.table, self._needed_chips(), address,
+                                      self.cfg.resolved_run_dir)
+
+    def _needed_chips(self) -> int:
+        return sum(len(chips) for groups in self.roles.values() for chips in groups)
 
     def abandon(self) -> None:
         """A check failed after ``begin_cluster``: wait for Ray's start and stop what it started."""
@@ -137,8 +140,7 @@ class Placement:
         if starting is not None:
             self.cluster_info = starting.result()  # (kept: its thread is released at shutdown)
         else:
-            needed = sum(len(chips) for groups in self.roles.values() for chips in groups)
-            self.cluster_info = start_or_join(self.cfg.cluster, self.table, needed, address,
+            self.cluster_info = start_or_join(self.cfg.cluster, self.table, self._needed_chips(), address,
                                               self.cfg.resolved_run_dir)
         import ray
 
