@@ -56,7 +56,9 @@ class ColocatedActor(TrainerRank):
         self.spec = spec
         shapes = {name: (shape, dtype) for name, shape, dtype in spec}
         with self.hb.phase("compiling"):
-            self.sampler = build_backend(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes)
+            # pack=False: the sampler adopts the trainer's tensors as they are (publish_local)
+            self.sampler = build_backend(self.cfg.model, self.cfg.sampler, vocab_size, pad_id, eos_id, shapes,
+                                         pack=False)
             return self.sampler.precompile() if self.cfg.sampler.precompile else []
 
     # -- weights, in-process ---------------------------------------------------------------------

@@ -180,12 +180,14 @@ def main(argv=None) -> int:
     kvm = jnp.asarray(np.arange(S)[None, :] < P + 5 + rng.integers(0, 5, (B, 1)), jnp.int32)
     tok = jnp.asarray(rng.integers(3, V, (B, 1)), jnp.int32)
     pos = jnp.full((B, 1), P + 5, jnp.int32)
-    per_layer = {n: tuple(jnp.swapaxes(c[i], 1, 2) for i in range(L)) for n, c in (("k", ck), ("v", cv))}
-    ref, _ = J.forward_with_cache(params, mcfg, tok, pos, per_layer, P + 5, kvm)  # its layout: per layer [B, n_kv, S, hd]
+    per_layer = {"k": tuple(ck[i].transpose(0, 2, 3, 1) for i in range(L)),  # its layout: per layer K [B, n_kv, hd, S]
+                 "v": tuple(jnp.swapaxes(cv[i], 1, 2) for i in range(L))}  # and V [B, n_kv, S, hd]
+    ref, _ = J.forward_with_cache(params, mcfg, tok, pos, per_layer, P + 5, kvm)
     got, _ = fwc_canon(params, tok, pos, {"k": jnp.swapaxes(ck, 2, 3), "v": jnp.swapaxes(cv, 2, 3)}, P + 5, kvm)
     canon_diff = float(jnp.max(jnp.abs(ref - got)))
     _, fwc_pl = build(mcfg, B, P, T, V, {"canon", "perlayer"})
-    got, _ = fwc_pl(params, tok, pos, per_layer, P + 5, kvm)
+    got, _ = fwc_pl(params, tok, pos, {"k": tuple(jnp.swapaxes(c, 2, 3) for c in per_layer["k"]), "v": per_layer["v"]},
+                    P + 5, kvm)
     canon_diff = max(canon_diff, float(jnp.max(jnp.abs(ref - got))))
 
     results = {}

@@ -66,7 +66,7 @@ def _gap(a, b) -> float:
 
 def _engines():
     trainer = TrainerEngine(MCFG, TCFG, V, SEED, TEMPERATURE)
-    sampler = SamplerEngine(MCFG, SCFG, V, PAD, EOS, {n: (s, d) for n, s, d in SPEC})
+    sampler = SamplerEngine(MCFG, SCFG, V, PAD, EOS, {n: (s, d) for n, s, d in SPEC}, pack=False)  # as ColocatedActor
     return trainer, sampler
 
 

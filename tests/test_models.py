@@ -232,7 +232,8 @@ def test_cache_prefill_then_decode_matches_forward(tied):
 
     step = functools.partial(jstep, cfg=cfg)
     cache = jax_llama.init_cache(cfg, B, S, jnp.float32)
-    assert len(cache["k"]) == 2 and cache["k"][0].shape == (B, 2, S, 16)  # per layer [B, kv, S, hd]
+    assert len(cache["k"]) == 2 and cache["k"][0].shape == (B, 2, 16, S)  # per layer K [B, kv, hd, S]
+    assert cache["v"][0].shape == (B, 2, S, 16)  # and V [B, kv, S, hd]
     kv_mask = np.zeros((B, S), np.int32)
     kv_mask[:, :P] = mask
     logits, cache = step(params, input_ids=ids, positions=pos, cache=cache, cache_index=jnp.int32(0), kv_mask=kv_mask)
@@ -252,8 +253,8 @@ def test_cache_prefill_then_decode_matches_forward(tied):
         assert logits.shape == (B, 1, V) and logits.dtype == jnp.float32
         assert np.abs(np.asarray(logits)[:, 0] - want[:, slot]).max() <= TOL, f"decode step {j}"
     # slots past the last write are untouched
-    assert not np.asarray(cache["k"][0])[:, :, P + steps :].any()
-    assert np.asarray(cache["k"][1])[:, :, P + steps - 1].any()
+    assert not np.asarray(cache["k"][0])[..., P + steps :].any() and not np.asarray(cache["v"][0])[:, :, P + steps :].any()
+    assert np.asarray(cache["k"][1])[..., P + steps - 1].any() and np.asarray(cache["v"][1])[:, :, P + steps - 1].any()
 
 
 def test_bf16_smoke():
@@ -272,3 +273,29 @@ def test_bf16_smoke():
     kv[:, :6] = mask
     logits, _ = jstep(params, cfg, ids, pos, cache, 0, kv)  # cache_index traced
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_packed_weights_give_the_same_logits_and_leave_adapted_groups_apart():
+    """``pack_params`` (the sampler's layout): q/k/v and gate/up become one matrix each, biases
+    too, and the forward pass is unchanged; a group carrying a LoRA adapter keeps its members."""
+    cfg = small_cfg(False).model_copy(update={"attention_bias": True, "qk_norm": True})
+    model = LlamaForCausalLM(cfg, V)
+    model.init_weights(3)
+    params = jax_llama.params_from_torch(model.state_dict())
+    packed = jax_llama.pack_params(params, cfg)
+    p = "model.layers.0."
+    hd = cfg.head_dim
+    assert packed[p + "self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * hd, 64)
+    assert packed[p + "self_attn.qkv_proj.bias"].shape == ((4 + 2 * 2) * hd,)
+    assert packed[p + "mlp.gate_up_proj.weight"].shape == (2 * 96, 64)
+    assert not any(k.endswith((".q_proj.weight", ".k_proj.bias", ".up_proj.weight")) for k in packed)
+    ids, mask, pos = left_padded([6, 3], T=6, seed=4)
+    want = np.asarray(jforward(params, cfg, ids, pos, mask))
+    got = np.asarray(jforward(packed, cfg, ids, pos, mask))
+    assert np.abs(got - want).max() <= 1e-5 and np.abs(want).max() > 0.1
+    structs = jax_llama.pack_params({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}, cfg)
+    assert {k: v.shape for k, v in structs.items()} == {k: v.shape for k, v in packed.items()}
+    adapted = dict(params, **{p + "self_attn.v_proj.lora_A.weight": jnp.zeros((2, 64))})
+    kept = jax_llama.pack_params(adapted, cfg)
+    assert p + "self_attn.v_proj.weight" in kept and p + "self_attn.qkv_proj.weight" not in kept
+    assert p + "mlp.gate_up_proj.weight" in kept and "model.layers.1.self_attn.qkv_proj.weight" in kept

@@ -61,6 +61,32 @@ def _proj(params: Params, module: str, x: jax.Array) -> jax.Array:
     return y
 
 
+_PACKS = (("self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"), ("mlp.", ("gate_proj", "up_proj"), "gate_up_proj"))
+
+
+def pack_params(params: Params, cfg: ModelConfig) -> Params:
+    """The sampler's layout of the weights: per layer, q/k/v as one ``qkv_proj`` matrix (rows in
+    that order, biases likewise) and gate/up as one ``gate_up_proj``, so a decode step runs two
+    wide dots where it ran five narrow ones. Why: at 64 rows XLA:CPU's dot reaches ~95 GFLOP/s on
+    a 512x1536 weight and ~175 on a 512x3072 one (benchmarks/sampler_profile.py). A group with a
+    LoRA adapter on any member (``sampler_apply: lowrank``) stays apart. Works on arrays and on
+    ``jax.ShapeDtypeStruct`` (the compiled programs' input shapes)."""
+    out = dict(params)
+    cat = (lambda xs: jax.ShapeDtypeStruct((sum(x.shape[0] for x in xs), *xs[0].shape[1:]), xs[0].dtype)) \
+        if any(isinstance(v, jax.ShapeDtypeStruct) for v in params.values()) else \
+        (lambda xs: jnp.concatenate([jnp.asarray(x) for x in xs], axis=0))
+    for i in range(cfg.num_hidden_layers):
+        for sub, members, fused in _PACKS:
+            p = f"model.layers.{i}.{sub}"
+            names = [p + m for m in members]
+            if not all(n + ".weight" in out for n in names) or any(n + ".lora_A.weight" in out for n in names):
+                continue
+            for suffix in (".weight", ".bias"):
+                if all(n + suffix in out for n in names):
+                    out[p + fused + suffix] = cat([out.pop(n + suffix) for n in names])
+    return out
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) * w, reduced in fp32, result in x's dtype times w."""
     xf = x.astype(_F32)
@@ -114,8 +140,13 @@ def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array,
             y = y + params[p + name + ".bias"]
         return y.reshape(B, T, heads, hd)
 
-    q, k, v = proj("q_proj", cfg.num_attention_heads), proj("k_proj", cfg.num_key_value_heads), \
-        proj("v_proj", cfg.num_key_value_heads)
+    if p + "qkv_proj.weight" in params:  # packed (``pack_params``)
+        nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        y = proj("qkv_proj", (nq + 2 * nkv) // hd)
+        q, k, v = y[:, :, :nq // hd], y[:, :, nq // hd:(nq + nkv) // hd], y[:, :, (nq + nkv) // hd:]
+    else:
+        q, k, v = proj("q_proj", cfg.num_attention_heads), proj("k_proj", cfg.num_key_value_heads), \
+            proj("v_proj", cfg.num_key_value_heads)
     if cfg.qk_norm:
         q = rms_norm(q, params[p + "q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, params[p + "k_norm.weight"], cfg.rms_norm_eps)
@@ -131,8 +162,11 @@ def _out_proj(params: Params, cfg: ModelConfig, i: int, att: jax.Array) -> jax.A
 def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Array:
     p = f"model.layers.{i}."
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gate = _proj(params, p + "mlp.gate_proj", h)
-    up = _proj(params, p + "mlp.up_proj", h)
+    if p + "mlp.gate_up_proj.weight" in params:  # packed (``pack_params``)
+        gate, up = jnp.split(_linear(h, params[p + "mlp.gate_up_proj.weight"]), 2, axis=-1)
+    else:
+        gate = _proj(params, p + "mlp.gate_proj", h)
+        up = _proj(params, p + "mlp.up_proj", h)
     return x + _proj(params, p + "mlp.down_proj", jax.nn.silu(gate) * up)
 
 
@@ -165,27 +199,29 @@ def forward(
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict[str, tuple[jax.Array, ...]]:
-    """Zeroed KV cache: ``k``/``v`` are tuples of one ``[B, n_kv_heads, S, head_dim]`` array per layer.
+    """Zeroed KV cache: ``k`` is a tuple of one ``[B, n_kv_heads, head_dim, S]`` array per layer,
+    ``v`` one ``[B, n_kv_heads, S, head_dim]`` array per layer.
 
     Why this layout: per-layer arrays are updated in place inside a ``while_loop`` (a slice of one
-    stacked ``[L, ...]`` array is a copy), and kv-major ``[B, kv, S, hd]`` makes one-token decode
-    attention two canonical batched dots (3-4x faster on XLA:CPU than the ``[B, S, kv, hd]`` einsum).
-    ``dtype`` defaults to ``cfg.dtype``.
+    stacked ``[L, ...]`` array is a copy); kv-major makes one-token decode attention two batched
+    dots over (B, kv) (3-4x faster on XLA:CPU than the ``[B, S, kv, hd]`` einsum); and K stored
+    transposed makes the score dot ``q @ K^T`` read K in its natural order (XLA:CPU ran it 1.5-2.5x
+    slower with ``head_dim`` minor, repacking K every step). ``dtype`` defaults to ``cfg.dtype``.
     """
     dtype = _DTYPES[cfg.dtype] if dtype is None else dtype
-    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-    return {n: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)) for n in ("k", "v")}
+    kv, hd = cfg.num_key_value_heads, cfg.head_dim
+    return {"k": tuple(jnp.zeros((batch, kv, hd, max_len), dtype) for _ in range(cfg.num_hidden_layers)),
+            "v": tuple(jnp.zeros((batch, kv, max_len, hd), dtype) for _ in range(cfg.num_hidden_layers))}
 
 
-def _attend_one(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """One-token GQA decode. q [B, 1, nh, hd]; k, v [B, nkv, S, hd]; allowed [B, S] -> [B, 1, nh*hd].
-
-    Same math as ``_attend`` (fp32 scores and softmax) written as batched dots over (B, kv).
+def _attend_one(q: jax.Array, kt: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """One-token GQA decode. q [B, 1, nh, hd]; kt [B, nkv, hd, S]; v [B, nkv, S, hd]; allowed [B, S]
+    -> [B, 1, nh*hd]. Same math as ``_attend`` (fp32 scores and softmax) written as batched dots over (B, kv).
     """
     B, _, nh, hd = q.shape
-    nkv = k.shape[1]
+    nkv = kt.shape[1]
     qg = q.reshape(B, nkv, nh // nkv, hd).astype(_F32)
-    scores = jnp.einsum("bgrd,bgsd->bgrs", qg, k.astype(_F32)) * hd**-0.5  # [B, nkv, rep, S]
+    scores = jnp.einsum("bgrd,bgds->bgrs", qg, kt.astype(_F32)) * hd**-0.5  # [B, nkv, rep, S]
     scores = jnp.where(allowed[:, None, None, :], scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bgrs,bgsd->bgrd", probs, v).reshape(B, 1, nh * hd)
@@ -211,7 +247,7 @@ def forward_with_cache(
     one slot per new token).
     """
     T = input_ids.shape[1]
-    S = cache["k"][0].shape[2]
+    S = cache["v"][0].shape[2]
     ci = jnp.asarray(cache_index, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     x = params["model.embed_tokens.weight"][input_ids]  # [B, T, H]
@@ -229,14 +265,15 @@ def forward_with_cache(
         allowed_i = masks[w]
         h = rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
         q, k, v = _qkv(params, cfg, i, h, cos, sin)  # k, v [B, T, nkv, hd]
-        start = (zero, zero, ci, zero)
-        ks[i] = lax.dynamic_update_slice(ks[i], jnp.swapaxes(k, 1, 2).astype(ks[i].dtype), start)  # [B, nkv, S, hd]
-        vs[i] = lax.dynamic_update_slice(vs[i], jnp.swapaxes(v, 1, 2).astype(vs[i].dtype), start)
+        ks[i] = lax.dynamic_update_slice(ks[i], k.transpose(0, 2, 3, 1).astype(ks[i].dtype),
+                                         (zero, zero, zero, ci))  # [B, nkv, hd, S]
+        vs[i] = lax.dynamic_update_slice(vs[i], jnp.swapaxes(v, 1, 2).astype(vs[i].dtype),
+                                         (zero, zero, ci, zero))  # [B, nkv, S, hd]
         ki, vi = ks[i].astype(x.dtype), vs[i].astype(x.dtype)
         if T == 1:
             att = _attend_one(q, ki, vi, allowed_i[:, 0])
         else:
-            att = _attend(q, jnp.swapaxes(ki, 1, 2), jnp.swapaxes(vi, 1, 2), allowed_i)
+            att = _attend(q, ki.transpose(0, 3, 1, 2), jnp.swapaxes(vi, 1, 2), allowed_i)
         x = x + _out_proj(params, cfg, i, att)
         x = _mlp_block(params, cfg, i, x)
     return _logits(params, cfg, x), {"k": tuple(ks), "v": tuple(vs)}

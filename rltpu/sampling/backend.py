@@ -45,10 +45,10 @@ class RolloutBackend(Protocol):
 
 
 def build_backend(model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict,
-                  devices=None, lora=None) -> RolloutBackend:
+                  devices=None, lora=None, pack: bool = True) -> RolloutBackend:
     """The backend ``sampler.backend`` names: the compiled JAX engine (``rltpu.sampling.engine``), or
     vLLM (``rltpu.sampling.vllm_backend``; ``devices`` then only counts its chips: vLLM's tensor parallel
-    size)."""
+    size). ``pack``: the JAX engine's weight layout (``SamplerEngine``)."""
     if getattr(sampler_cfg, "backend", "jax") == "vllm":
         from rltpu.sampling.vllm_backend import VllmBackend
 
@@ -56,4 +56,5 @@ def build_backend(model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: 
         return VllmBackend(model_cfg, sampler_cfg, vocab_size, pad_id, eos_id, param_shapes, tp=tp)
     from rltpu.sampling.engine import SamplerEngine
 
-    return SamplerEngine(model_cfg, sampler_cfg, vocab_size, pad_id, eos_id, param_shapes, devices=devices, lora=lora)
+    return SamplerEngine(model_cfg, sampler_cfg, vocab_size, pad_id, eos_id, param_shapes, devices=devices, lora=lora,
+                         pack=pack)

@@ -362,7 +362,7 @@ class ContinuousSampler:
 
     def _prefill_args(self, n: int, L: int):
         i32 = jnp.int32
-        return (self.e.param_structs, self._state_structs(), jax.ShapeDtypeStruct((n, L), i32),
+        return (self.e.program_structs, self._state_structs(), jax.ShapeDtypeStruct((n, L), i32),
                 jax.ShapeDtypeStruct((n,), i32), jax.ShapeDtypeStruct((n, L // self.ps), i32),
                 jax.ShapeDtypeStruct((n,), i32))
 
@@ -371,7 +371,7 @@ class ContinuousSampler:
         vec = jax.ShapeDtypeStruct((n,), i32)
         flag = jax.ShapeDtypeStruct((n,), jnp.bool_)
         admit = {"on": flag, "reset": flag, "handle": vec, "plen": vec, "limit": vec, "row": vec}
-        return (self.e.param_structs, self._state_structs(), vec, jax.ShapeDtypeStruct((n, self.TW), i32),
+        return (self.e.program_structs, self._state_structs(), vec, jax.ShapeDtypeStruct((n, self.TW), i32),
                 jax.ShapeDtypeStruct((n, self.NW), i32), admit, jax.ShapeDtypeStruct((2,), jnp.uint32),
                 jax.ShapeDtypeStruct((), i32))
 

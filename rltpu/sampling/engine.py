@@ -72,9 +72,11 @@ class SamplerEngine:
     the KV cache is split by kv heads, and every program is compiled for the mesh."""
 
     def __init__(self, model_cfg, sampler_cfg, vocab_size: int, pad_id: int, eos_id: int, param_shapes: dict,
-                 devices=None, lora=None):
+                 devices=None, lora=None, pack: bool = True):
         """``lora`` (a ``LoraConfig``; ``param_shapes`` then lists the adapters too): the engine keeps
-        the base once and applies the adapters as ``lora.sampler_apply`` says (``SamplerAdapters``)."""
+        the base once and applies the adapters as ``lora.sampler_apply`` says (``SamplerAdapters``).
+        ``pack=False`` keeps the trainer's layout of the weights: a colocated sampler adopts (or
+        aliases) the trainer's tensors without a copy, and packing would copy them."""
         self.mcfg, self.cfg = model_cfg, sampler_cfg
         self.adapters = None
         if lora is not None:
@@ -109,6 +111,12 @@ class SamplerEngine:
                                     for k, s in self.param_structs.items()}
             self._replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             self._cache_sharding = NamedSharding(self.mesh, tp.cache_spec())
+        # what the compiled programs take: the weights packed (``jax_llama.pack_params``) on an
+        # unsharded engine without adapters; a mesh shards q/k/v and gate/up by their own heads and
+        # columns, and adapters change with every sync, so those keep the trainer's names
+        self.packed = pack and self.mesh is None and self.adapters is None
+        self.program_structs = (jax_llama.pack_params(self.param_structs, model_cfg) if self.packed
+                                else self.param_structs)
 
     @property
     def tp(self) -> int:
@@ -138,6 +146,8 @@ class SamplerEngine:
                 raise ValueError(f"weight {k} has shape {tuple(params[k].shape)}, expected {s.shape}")
         if self.mesh is not None:
             params = self.place(params)
+        elif self.packed:
+            params = jax_llama.pack_params(params, self.mcfg)
         self.params, self.version = params, version
 
     def place(self, params: dict) -> dict:
@@ -227,7 +237,7 @@ class SamplerEngine:
         t0, hits0 = self._compile_mark()
         i32 = jnp.int32
         args = (
-            self.param_structs,
+            self.program_structs,
             jax.ShapeDtypeStruct((rows, prompt_len), i32),
             jax.ShapeDtypeStruct((rows, prompt_len), i32),
             jax.ShapeDtypeStruct((2,), jnp.uint32),
@@ -315,6 +325,7 @@ class SamplerEngine:
             devices = list(self.mesh.devices.flat) if self.mesh is not None else None
             self._greedy = SamplerEngine(self.mcfg, self.cfg.model_copy(update={"temperature": 0.0}),
                                          self.vocab_size, self.pad_id, self.eos_id, shapes, devices)
+            self._greedy.packed, self._greedy.program_structs = self.packed, self.program_structs  # same weights
         self._greedy.params, self._greedy.version = self.params, self.version
         return self._greedy
 
