@@ -357,9 +357,8 @@ def evaluate(c: Candidate, cfg: RunConfig, table: ChipTable, hw: Hardware, m: cm
     if c.reward_on == "own chips" and w.reward_params:  # the reward group scores every completion
         rate = hw.gemm_flops(m.hidden) if hw.emulated else hw.peak_flops * hw.prefill_mfu
         host_s += 2 * w.reward_params * w.rows * w.seq / (rate * max(1, w.reward_chips))
-    if continuous:  # its prefill programs (prompts per call x prompt bucket) and decode chunks (one per slot bucket)
-        n_cells = (len({(n, grid.page_size * -(-p // grid.page_size)) for n in grid.prefill_rows
-                        for p in cfg.sampler.prompt_buckets}) + len(grid.slot_buckets))
+    if continuous:  # its prefill programs (prompts per call x prefill length) and decode chunks (one per slot bucket)
+        n_cells = len(grid.prefill_rows) * len(grid.prefill_lens) + len(grid.slot_buckets)
     else:
         n_cells = len(cfg.sampler.batch_buckets) * len(cfg.sampler.prompt_buckets) * len(cfg.sampler.new_tokens_grid)
     chips = table.num_chips

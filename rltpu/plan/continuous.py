@@ -45,6 +45,7 @@ class EngineGrid:
     gen_pages: int  # MG, pages of the longest completion
     pages: int  # the pool, with the null page
     prefill_rows: tuple[int, ...]  # prompts per prefill call (buckets)
+    prefill_lens: tuple[int, ...]  # prompt tokens per prefill call (whole pages)
     slot_buckets: tuple[int, ...]
     block_pages: int  # pages one step of the decode attention loop reads per slot
     group: int
@@ -68,7 +69,10 @@ class EngineGrid:
         steps = {m << k for k in range(S.bit_length()) for m in (1, 3)}  # powers of two and 1.5x between
         buckets = tuple(sorted({b for b in scfg.batch_buckets if b < S} | {S} | {b for b in steps if lo < b < S}))
         block = max(1, min(ATTN_BLOCK_TOKENS // ps, MP + MG))
-        return cls(S, C, ps, MP, MG, pages, prefill_rows, buckets, block, G)
+        top = ps * MP  # the largest prompt bucket in whole pages; below it, the powers of two pages
+        lens = tuple(sorted({ps * math.ceil(b / ps) for b in scfg.prompt_buckets}
+                            | {ps << k for k in range(top.bit_length()) if ps << k < top}))
+        return cls(S, C, ps, MP, MG, pages, prefill_rows, lens, buckets, block, G)
 
     @property
     def pool_tokens(self) -> int:
