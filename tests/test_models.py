@@ -277,18 +277,22 @@ def test_bf16_smoke():
 
 def test_packed_weights_give_the_same_logits_and_leave_adapted_groups_apart():
     """``pack_params`` (the sampler's layout): q/k/v and gate/up become one matrix each, biases
-    too, and the forward pass is unchanged; a group carrying a LoRA adapter keeps its members."""
-    cfg = small_cfg(False).model_copy(update={"attention_bias": True, "qk_norm": True})
+    too, the four per-layer linears are stored ``[in, out]``, and the forward pass is unchanged;
+    a group carrying a LoRA adapter keeps its members as they were."""
+    cfg = small_cfg(False).model_copy(update={"attention_bias": True, "attention_out_bias": True, "qk_norm": True})
     model = LlamaForCausalLM(cfg, V)
     model.init_weights(3)
     params = jax_llama.params_from_torch(model.state_dict())
     packed = jax_llama.pack_params(params, cfg)
     p = "model.layers.0."
     hd = cfg.head_dim
-    assert packed[p + "self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * hd, 64)
+    assert packed[p + "self_attn.qkv_proj.weight_t"].shape == (64, (4 + 2 * 2) * hd)
     assert packed[p + "self_attn.qkv_proj.bias"].shape == ((4 + 2 * 2) * hd,)
-    assert packed[p + "mlp.gate_up_proj.weight"].shape == (2 * 96, 64)
-    assert not any(k.endswith((".q_proj.weight", ".k_proj.bias", ".up_proj.weight")) for k in packed)
+    np.testing.assert_array_equal(packed[p + "self_attn.qkv_proj.weight_t"][:, 4 * hd:6 * hd],
+                                  np.asarray(params[p + "self_attn.k_proj.weight"]).T)
+    assert packed[p + "mlp.gate_up_proj.weight_t"].shape == (64, 2 * 96)
+    assert packed[p + "mlp.down_proj.weight_t"].shape == (96, 64) and p + "self_attn.o_proj.bias" in packed
+    assert not any(k.endswith((".weight", ".k_proj.bias")) and ".layers." in k and "norm" not in k for k in packed)
     ids, mask, pos = left_padded([6, 3], T=6, seed=4)
     want = np.asarray(jforward(params, cfg, ids, pos, mask))
     got = np.asarray(jforward(packed, cfg, ids, pos, mask))
@@ -297,5 +301,5 @@ def test_packed_weights_give_the_same_logits_and_leave_adapted_groups_apart():
     assert {k: v.shape for k, v in structs.items()} == {k: v.shape for k, v in packed.items()}
     adapted = dict(params, **{p + "self_attn.v_proj.lora_A.weight": jnp.zeros((2, 64))})
     kept = jax_llama.pack_params(adapted, cfg)
-    assert p + "self_attn.v_proj.weight" in kept and p + "self_attn.qkv_proj.weight" not in kept
-    assert p + "mlp.gate_up_proj.weight" in kept and "model.layers.1.self_attn.qkv_proj.weight" in kept
+    assert p + "self_attn.v_proj.weight" in kept and p + "self_attn.qkv_proj.weight_t" not in kept
+    assert p + "mlp.gate_up_proj.weight_t" in kept and "model.layers.1.self_attn.qkv_proj.weight_t" in kept

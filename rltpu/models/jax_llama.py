@@ -53,7 +53,10 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
 def _proj(params: Params, module: str, x: jax.Array) -> jax.Array:
     """``module``'s linear; with LoRA adapters in ``params`` (``sampler_apply: lowrank``) plus the
     low-rank term ``(x A^T) B^T``, B already scaled by alpha / rank. Which keys exist is fixed per
-    compiled program, so new adapter values never recompile."""
+    compiled program, so new adapter values never recompile. A packed weight (``pack_params``,
+    ``[in, out]``) is used as it is stored."""
+    if module + ".weight_t" in params:
+        return jnp.einsum("...i,io->...o", x, params[module + ".weight_t"])
     y = _linear(x, params[module + ".weight"])
     a = params.get(module + ".lora_A.weight")
     if a is not None:
@@ -61,29 +64,41 @@ def _proj(params: Params, module: str, x: jax.Array) -> jax.Array:
     return y
 
 
-_PACKS = (("self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"), ("mlp.", ("gate_proj", "up_proj"), "gate_up_proj"))
+_PACKS = (("self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"), ("self_attn.", ("o_proj",), "o_proj"),
+          ("mlp.", ("gate_proj", "up_proj"), "gate_up_proj"), ("mlp.", ("down_proj",), "down_proj"))
 
 
 def pack_params(params: Params, cfg: ModelConfig) -> Params:
-    """The sampler's layout of the weights: per layer, q/k/v as one ``qkv_proj`` matrix (rows in
-    that order, biases likewise) and gate/up as one ``gate_up_proj``, so a decode step runs two
-    wide dots where it ran five narrow ones. Why: at 64 rows XLA:CPU's dot reaches ~95 GFLOP/s on
-    a 512x1536 weight and ~175 on a 512x3072 one (benchmarks/sampler_profile.py). A group with a
-    LoRA adapter on any member (``sampler_apply: lowrank``) stays apart. Works on arrays and on
-    ``jax.ShapeDtypeStruct`` (the compiled programs' input shapes)."""
+    """The sampler's layout of the weights. Per layer, q/k/v become one ``qkv_proj`` and gate/up one
+    ``gate_up_proj`` (rows in that order, biases likewise), and these and ``o_proj``/``down_proj``
+    are stored transposed, ``[in, out]``, as ``<name>.weight_t``.
+
+    Why, measured with XLA:CPU on 2 cores (jax's profiler over the 25M Qwen2 of
+    ``benchmarks/sampler.py --vs-vllm``): at 64 rows its dot ran ~95 GFLOP/s on a 512x1536 weight
+    and ~175 on a 512x3072 one, so two wide dots beat five narrow ones (+13% tokens/s at 64 rows);
+    and a weight already ``[in, out]`` gave 3-10% more tokens/s on 8-64 decode slots than ``x @ W.T``.
+    A group with a LoRA adapter on any member (``sampler_apply: lowrank``) keeps the trainer's
+    names and layout. Works on arrays and on ``jax.ShapeDtypeStruct`` (the programs' input shapes)."""
     out = dict(params)
-    cat = (lambda xs: jax.ShapeDtypeStruct((sum(x.shape[0] for x in xs), *xs[0].shape[1:]), xs[0].dtype)) \
-        if any(isinstance(v, jax.ShapeDtypeStruct) for v in params.values()) else \
-        (lambda xs: jnp.concatenate([jnp.asarray(x) for x in xs], axis=0))
+    structs = any(isinstance(v, jax.ShapeDtypeStruct) for v in params.values())
+
+    def cat(xs):
+        if structs:
+            return jax.ShapeDtypeStruct((sum(x.shape[0] for x in xs), *xs[0].shape[1:]), xs[0].dtype)
+        return jnp.concatenate([jnp.asarray(x) for x in xs], axis=0) if len(xs) > 1 else jnp.asarray(xs[0])
+
+    def transposed(w):
+        return jax.ShapeDtypeStruct(w.shape[::-1], w.dtype) if structs else jnp.asarray(w).T
+
     for i in range(cfg.num_hidden_layers):
         for sub, members, fused in _PACKS:
             p = f"model.layers.{i}.{sub}"
             names = [p + m for m in members]
             if not all(n + ".weight" in out for n in names) or any(n + ".lora_A.weight" in out for n in names):
                 continue
-            for suffix in (".weight", ".bias"):
-                if all(n + suffix in out for n in names):
-                    out[p + fused + suffix] = cat([out.pop(n + suffix) for n in names])
+            if all(n + ".bias" in out for n in names):
+                out[p + fused + ".bias"] = cat([out.pop(n + ".bias") for n in names])
+            out[p + fused + ".weight_t"] = transposed(cat([out.pop(n + ".weight") for n in names]))
     return out
 
 
@@ -140,7 +155,7 @@ def _qkv(params: Params, cfg: ModelConfig, i: int, h: jax.Array, cos: jax.Array,
             y = y + params[p + name + ".bias"]
         return y.reshape(B, T, heads, hd)
 
-    if p + "qkv_proj.weight" in params:  # packed (``pack_params``)
+    if p + "qkv_proj.weight_t" in params:  # packed (``pack_params``)
         nq, nkv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         y = proj("qkv_proj", (nq + 2 * nkv) // hd)
         q, k, v = y[:, :, :nq // hd], y[:, :, nq // hd:(nq + nkv) // hd], y[:, :, (nq + nkv) // hd:]
@@ -162,8 +177,8 @@ def _out_proj(params: Params, cfg: ModelConfig, i: int, att: jax.Array) -> jax.A
 def _mlp_block(params: Params, cfg: ModelConfig, i: int, x: jax.Array) -> jax.Array:
     p = f"model.layers.{i}."
     h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    if p + "mlp.gate_up_proj.weight" in params:  # packed (``pack_params``)
-        gate, up = jnp.split(_linear(h, params[p + "mlp.gate_up_proj.weight"]), 2, axis=-1)
+    if p + "mlp.gate_up_proj.weight_t" in params:  # packed (``pack_params``)
+        gate, up = jnp.split(_proj(params, p + "mlp.gate_up_proj", h), 2, axis=-1)
     else:
         gate = _proj(params, p + "mlp.gate_proj", h)
         up = _proj(params, p + "mlp.up_proj", h)
