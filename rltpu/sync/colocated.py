@@ -212,7 +212,7 @@ def trainer_memory(engine) -> dict:
 
 
 def kv_cache_bytes(model_cfg, rows: int, seq_len: int, itemsize: int) -> int:
-    """K and V of every layer, ``[rows, kv_heads, seq_len, head_dim]`` each (``jax_llama.init_cache``)."""
+    """K and V of every layer, ``rows x kv_heads x seq_len x head_dim`` each (``jax_llama.init_cache``)."""
     return 2 * model_cfg.num_hidden_layers * rows * model_cfg.num_key_value_heads * seq_len * model_cfg.head_dim \
         * itemsize
 
