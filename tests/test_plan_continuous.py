@@ -66,7 +66,7 @@ def test_grid_is_the_one_the_engine_builds(kw):
 def test_waves_are_what_a_call_runs():
     """20 rows of one length (no stop token can be drawn) on 8 slots: 3 waves (8, 8, 4 rows), each 6
     decode steps in chunks of 4 (4 + 2), the last wave's 4 rows in the 8-slot bucket; 10 prompts
-    prefilled 4 at a time (4, 4, 2 padded to 4), each at 4 tokens (its 2 pages). The planner's counts equal the engine's counters. (The
+    prefilled 4 at a time (4, 4, 2 padded to 4). The planner's counts equal the engine's counters. (The
     pool has room for 8 rows even when each prompt fills its 8-token bucket: the planner counts a prompt's
     pages by its bucket, the engine by its real length, so a pool the planner calls full may not be.)"""
     scfg = SamplerConfig(engine="continuous", slots=8, batch_buckets=(8,), max_new_tokens=6, kv_page_size=2,
@@ -81,9 +81,7 @@ def test_waves_are_what_a_call_runs():
     assert v.pool_rows == 64 // (4 / 2 + 3) == 12
     assert out["decode_steps"] == v.decode_steps and out["chunks"] == v.chunks
     assert out["slot_steps"] == v.slot_steps and out["preemptions"] == 0
-    # each 3-token prompt is prefilled at 4 tokens (2 pages, the prefill length above it); the planner
-    # counts the 8-token bucket, an upper bound
-    assert out["prefill_calls"] == v.prefill_calls and out["prefill_slots"] == v.prefill_prompts * 4
+    assert out["prefill_calls"] == v.prefill_calls and out["prefill_slots"] == v.prefill_prompts * 8
 
 
 def test_serve_by_hand():
@@ -194,3 +192,15 @@ def test_mean_response_len_above_the_limit_is_a_one_line_error():
 
     with pytest.raises(ConfigError, match="planner.mean_response_len=5 exceeds the 4 new tokens"):
         make_plan(load_config(QUICKSTART, ["planner.mean_response_len=5"]), "cpu", FAKE_BENCH)
+
+
+def test_prefill_lengths_by_hand():
+    """Prompt buckets in whole pages, plus the powers of two pages from 16 tokens up to the largest
+    (the engine's own ``prefill_lens``: ``test_grid_is_the_one_the_engine_builds``)."""
+    def lens(**kw):
+        return EngineGrid.from_config(SamplerConfig(engine="continuous", **kw)).prefill_lens
+
+    assert lens(prompt_buckets=(20,), max_new_tokens=40, kv_page_size=16) == (16, 32)
+    assert lens(prompt_buckets=(64,), max_new_tokens=64, kv_page_size=16) == (16, 32, 64)
+    assert lens(prompt_buckets=(8, 40), max_new_tokens=64, kv_page_size=16) == (16, 32, 48)
+    assert lens(prompt_buckets=(8,), max_new_tokens=4) == (8,)  # 4-token pages: nothing below 16 tokens

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 AUTO_POOL_FRACTION = 0.4  # sampler.kv_pages=0: pages for 40% of the slot grid's dense cache (the engine's rule)
 ATTN_BLOCK_TOKENS = 32  # the engine's attention block (rltpu/sampling/continuous.py)
+PREFILL_MIN_TOKENS = 16  # the engine's shortest extra prefill length (rltpu/sampling/continuous.py)
 
 
 def _pow2_at_most(n: int) -> int:
@@ -71,7 +72,7 @@ class EngineGrid:
         block = max(1, min(ATTN_BLOCK_TOKENS // ps, MP + MG))
         top = ps * MP  # the largest prompt bucket in whole pages; below it, the powers of two pages
         lens = tuple(sorted({ps * math.ceil(b / ps) for b in scfg.prompt_buckets}
-                            | {ps << k for k in range(top.bit_length()) if ps << k < top}))
+                            | {ps << k for k in range(top.bit_length()) if PREFILL_MIN_TOKENS <= ps << k < top}))
         return cls(S, C, ps, MP, MG, pages, prefill_rows, lens, buckets, block, G)
 
     @property

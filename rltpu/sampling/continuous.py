@@ -46,6 +46,7 @@ from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, tok
 _F32 = jnp.float32
 AUTO_POOL_FRACTION = 0.4  # kv_pages=0: pages for 40% of the dense cache of the slot grid
 ATTN_BLOCK_TOKENS = 32  # history tokens one step of the decode attention loop reads per slot (plan/continuous.py too)
+PREFILL_MIN_TOKENS = 16  # no prefill length below this but a prompt bucket's: it saves too little to pay for its programs
 
 
 def _pow2_at_most(n: int) -> int:
@@ -88,12 +89,14 @@ class ContinuousSampler:
         G = max(cfg.group_size, 1)
         self.prefill_rows = tuple(sorted({1, *(4 ** i for i in range(8) if 4 ** i < math.ceil(self.S / G)),
                                           math.ceil(self.S / G)}))
-        # prefill lengths: the prompt buckets in whole pages, and the powers of two pages below the
-        # largest, so a prompt pays for about its own pages and not the bucket above it (8-32 token
-        # prompts at bucket 32: 10% more tokens/s on the 25M long tail; plan/continuous.py mirrors it)
+        # prefill lengths: the prompt buckets in whole pages, and the powers of two pages from
+        # PREFILL_MIN_TOKENS up to the largest, so a prompt pays for about its own pages and not the
+        # bucket above it (8-32 token prompts at bucket 32: 10% more tokens/s on the 25M long tail)
+        # while a short-prompt grid (the quickstart's 8) compiles nothing more; plan/continuous.py mirrors it
         top = self._plen(max(cfg.prompt_buckets))
         self.prefill_lens = tuple(sorted({self._plen(b) for b in cfg.prompt_buckets}
-                                         | {self.ps << k for k in range(top.bit_length()) if self.ps << k < top}))
+                                         | {self.ps << k for k in range(top.bit_length())
+                                            if PREFILL_MIN_TOKENS <= self.ps << k < top}))
         first = math.ceil(min(self.C, self.T) / self.ps)  # pages a slot needs for its first chunk
         auto = max(math.ceil(AUTO_POOL_FRACTION * self.dense_tokens / self.ps),
                    self.S * first + math.ceil(self.S / G) * self.MP,  # a full grid admits at once
