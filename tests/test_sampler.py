@@ -7,6 +7,7 @@ so the grid engine is module-scoped and reused by every test that samples at tem
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -314,3 +315,15 @@ def test_top_p_samples_only_inside_the_nucleus():
     # without truncation, P(all samples inside) = prod(1 - outside_mass): make sure that is tiny
     assert checked >= 40
     assert np.sum(np.log1p(-np.minimum(outside_mass, 1 - 1e-9))) < np.log(1e-3)
+
+
+def test_the_packed_layout_is_decided_by_backend_mesh_adapters_and_the_caller(monkeypatch):
+    """Packed (``jax_llama.pack_params``) only on an unsharded XLA:CPU engine without adapters whose
+    caller allows it: a chip's engine keeps the trainer's names (no second copy of the weights in HBM)."""
+    cfg = SamplerConfig(batch_buckets=(4,), prompt_buckets=(8,), max_new_tokens=4)
+    eng = _engine(cfg)
+    assert eng.packed and "model.layers.0.self_attn.qkv_proj.weight_t" in eng.program_structs
+    assert not SamplerEngine(MCFG, cfg, V, PAD, EOS, _shapes(_state()), pack=False).packed
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    chip = _engine(cfg)
+    assert not chip.packed and chip.program_structs is chip.param_structs

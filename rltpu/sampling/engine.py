@@ -112,9 +112,11 @@ class SamplerEngine:
             self._replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             self._cache_sharding = NamedSharding(self.mesh, tp.cache_spec())
         # what the compiled programs take: the weights packed (``jax_llama.pack_params``) on an
-        # unsharded engine without adapters; a mesh shards q/k/v and gate/up by their own heads and
-        # columns, and adapters change with every sync, so those keep the trainer's names
-        self.packed = pack and self.mesh is None and self.adapters is None
+        # unsharded XLA:CPU engine without adapters. A mesh shards q/k/v and gate/up by their own
+        # heads and columns and adapters change with every sync, so those keep the trainer's names;
+        # and the gain was measured on XLA:CPU only, while on a chip the packed copy would hold a
+        # second set of weights in HBM during each sync, so a chip's engine keeps them too
+        self.packed = pack and self.mesh is None and self.adapters is None and jax.default_backend() == "cpu"
         self.program_structs = (jax_llama.pack_params(self.param_structs, model_cfg) if self.packed
                                 else self.param_structs)
 
