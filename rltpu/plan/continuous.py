@@ -87,7 +87,7 @@ class EngineGrid:
         return math.ceil(pages / self.block_pages) * self.block_pages * self.page_size
 
     def pool_bytes(self, kv_bytes_per_token: float) -> float:
-        """The pool ``[pages, kv_heads, page_size, head_dim]`` per layer, K and V: every page, null included."""
+        """The pool per layer, K and V (``page_size x head_dim`` per kv head and page): every page, null included."""
         return self.pages * self.page_size * kv_bytes_per_token
 
     def history_bytes(self, kv_bytes_per_token: float) -> float:
