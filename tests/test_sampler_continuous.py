@@ -295,13 +295,14 @@ def test_tensor_parallel_engine_gives_the_unsharded_tokens():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     one = res["1"]
-    pages, kv, ps, hd = one["pool_shape"]
+    pages, kv, hd, ps = one["pool_shape"]  # the K pool: [pages, kv heads, head_dim, page]
+    assert ps == CONT["kv_page_size"] and hd == MCFG.head_dim
     assert kv == MCFG.num_key_value_heads == 2 and one["compiles_after_precompile"] == 0
     for k in ("2", "4"):
         assert res[k]["tokens"] == one["tokens"], k
         assert np.abs(np.array(res[k]["logprobs"]) - np.array(one["logprobs"])).max() <= 1e-5, k
         assert res[k]["compiles_after_precompile"] == 0 and res[k]["programs"] == one["programs"]
-        assert res[k]["pool_shard_shapes"] == [[pages, 1, ps, hd]], k
+        assert res[k]["pool_shard_shapes"] == [[pages, 1, hd, ps]], k
 
 
 def test_static_and_continuous_draw_the_same_rows_at_temperature_1():
@@ -335,3 +336,18 @@ def test_a_request_with_no_reachable_stop_token_runs_as_one_static_program():
     rest = eng.generate(PROMPTS * 2, 2, seed=3)  # 24 rows: more than a bucket, so continuous slots
     assert rest["engine"] == "continuous" and rest["compiles"] == 0 and (rest["lengths"] == T).all()
     np.testing.assert_array_equal(rest["tokens"][:12], whole["tokens"])
+
+
+def test_only_decode_programs_on_xla_cpu_get_the_individual_dot_option(monkeypatch):
+    """XLA_CPU_DECODE_OPTIONS go to the decode-chunk programs of an XLA:CPU engine only: prefill
+    keeps XLA's defaults, and a chip's compiler is never handed an XLA:CPU flag. (A name this
+    jaxlib did not know would fail every decode compile in this file.)"""
+    from rltpu.sampling import continuous
+
+    eng = _ready(_cfg())
+    c = eng.continuous
+    assert c.xla_cpu
+    assert c.compiler_options(("decode", 4)) == continuous.XLA_CPU_DECODE_OPTIONS
+    assert c.compiler_options(("prefill", 1, 8)) is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert _engine(_cfg()).continuous.compiler_options(("decode", 4)) is None

@@ -47,6 +47,12 @@ from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, tok
 _F32 = jnp.float32
 AUTO_POOL_FRACTION = 0.4  # kv_pages=0: pages for 40% of the dense cache of the slot grid
 ATTN_BLOCK_TOKENS = 32  # history tokens one step of the decode attention loop reads per slot (plan/continuous.py too)
+# XLA:CPU's YNNPACK fusions for a decode chunk: each dot its own library call instead of fused with
+# its neighbours. On the 25M long tail b64 of benchmarks/sampler.py --vs-vllm (one 2-core VM):
+# +7% tokens/s (separate runs, 2026-12-03e) and +4% (two engines in one process, calls interleaved,
+# median of 4, 2026-12-03f). The static engine's program was mixed with it (+8% and -17% in two
+# runs), so only these programs take it
+XLA_CPU_DECODE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 PREFILL_MIN_TOKENS = 16  # no prefill length below this but a prompt bucket's: it saves too little to pay for its programs
 
 
@@ -124,6 +130,7 @@ class ContinuousSampler:
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
         self.stop = tuple(e.stop_ids)
+        self.xla_cpu = jax.default_backend() == "cpu" if e.mesh is None else e.mesh.devices.flat[0].platform == "cpu"
         self._compiled: dict = {}
         self._compile_lock = threading.Lock()
         self._state = None
@@ -375,10 +382,15 @@ class ContinuousSampler:
             r, sh = e._replicated, self._state_shardings()
             ins = (e.param_shardings, sh) + tuple(jax.tree.map(lambda _: r, a) for a in args[2:])
             jitted = jax.jit(fn, donate_argnums=(1,), in_shardings=ins, out_shardings=sh)
-        compiled = jitted.lower(*args).compile()
+        compiled = jitted.lower(*args).compile(compiler_options=self.compiler_options(cell))
         with self._compile_lock:
             self._compiled[cell] = compiled
             e._compile_done(log, t0, hits0)
+
+    def compiler_options(self, cell: tuple) -> dict | None:
+        """XLA options for ``cell``'s program: ``XLA_CPU_DECODE_OPTIONS`` for a decode chunk on
+        XLA:CPU (an XLA:CPU flag; a chip's compiler gets nothing), none otherwise."""
+        return dict(XLA_CPU_DECODE_OPTIONS) if cell[0] == "decode" and self.xla_cpu else None
 
     def _prefill_args(self, n: int, L: int):
         i32 = jnp.int32
