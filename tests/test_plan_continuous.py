@@ -204,3 +204,21 @@ def test_prefill_lengths_by_hand():
     assert lens(prompt_buckets=(64,), max_new_tokens=64, kv_page_size=16) == (16, 32, 64)
     assert lens(prompt_buckets=(8, 40), max_new_tokens=64, kv_page_size=16) == (16, 32, 48)
     assert lens(prompt_buckets=(8,), max_new_tokens=4) == (8,)  # 4-token pages: nothing below 16 tokens
+
+
+def test_prefill_calls_split_a_group_with_the_least_padding_by_hand():
+    """A group of prompts runs as calls of the row buckets that pad least, each call counted as
+    PREFILL_CALL_ROWS (2) more rows: 23 prompts at buckets 1/4/16/64 cost 16+4+4 + 3 x 2 = 30, not one
+    call of 64 + 2 = 66 (the engine padded so before); 7 cost 4+4 + 4 = 12 (16 + 2 = 18, 4+1+1+1
+    + 8 = 15); 3 run as one call of 4. The engine and the planner use this one function."""
+    from rltpu.sampling.buckets import split_rows
+
+    b = (1, 4, 16, 64)
+    assert split_rows(23, b) == (4, 4, 16)
+    assert split_rows(7, b) == (4, 4)
+    assert split_rows(3, b) == (4,)
+    assert split_rows(64, b) == (64,)
+    assert split_rows(0, b) == ()
+    assert split_rows(23, b, call_rows=100) == (64,)  # calls dear: one padded call
+    # more than the largest bucket: 4+64+64 + 6 = 138 ties 1+1+64+64 + 8 (fewer calls win), < 192 + 6
+    assert split_rows(130, b) == (4, 64, 64)

@@ -16,7 +16,8 @@ Counts (R rows of one sampler, G samples per prompt, mean generated length l, lo
     chunks           ceil(D / decode_chunk)  (the host admits rows between chunks); W * ceil(T / decode_chunk)
                      when every row runs T (a wave's rows stop together, in a short last chunk)
     slot-steps       b * D                   (b: the smallest slot bucket >= c; every chunk computes all of it)
-    prefill          R / G prompts, once each, padded to the prefill row buckets
+    prefill          R / G prompts, once each, c / G per wave, split into calls of the prefill row
+                     buckets with the least padding (``rltpu.sampling.buckets.split_rows``)
     history read     per slot per step, the blocks (``block_pages`` pages) the chunk's longest row needs,
                      read straight from the pool: modelled as the prompt pages plus half the longest
                      completion (the longest row of a wave grows from 0 to T), in whole blocks
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from rltpu.sampling.buckets import split_rows
 
 AUTO_POOL_FRACTION = 0.4  # sampler.kv_pages=0: pages for 40% of the slot grid's dense cache (the engine's rule)
 ATTN_BLOCK_TOKENS = 32  # the engine's attention block (rltpu/sampling/continuous.py)
@@ -95,9 +98,6 @@ class EngineGrid:
         attention block read from the pool per slot (counted for every layer: an upper bound)."""
         return self.slots * (self.chunk + self.block_pages * self.page_size) * kv_bytes_per_token
 
-    def prefill_bucket(self, prompts: int) -> int:
-        return next((b for b in self.prefill_rows if b >= prompts), self.prefill_rows[-1])
-
 
 @dataclass(frozen=True)
 class Waves:
@@ -111,7 +111,7 @@ class Waves:
     slot_bucket: int  # slots a chunk computes: the smallest slot bucket that holds the concurrent rows
     slot_steps: float  # slots computed x steps
     prefill_calls: int
-    prefill_prompts: int  # padded to the prefill row buckets
+    prefill_prompts: int  # padded to the prefill row buckets (``buckets.split_rows``)
     pool_rows: int  # rows the pool feeds at their mean length (the slots may be more)
 
 
@@ -126,13 +126,15 @@ def serve(g: EngineGrid, rows: int, mean_new: float, max_new: int) -> Waves:
     steps = (waves - 1) * mean_new + max_new
     # prompts are prefilled as their first sample is admitted: about one call of c / G prompts per wave
     per_call = max(1, min(math.ceil(c / g.group), prompts))
-    bucket = g.prefill_bucket(per_call)
-    calls = math.ceil(prompts / bucket)
+    full, last = divmod(prompts, per_call)
+    split, tail = split_rows(per_call, g.prefill_rows), split_rows(last, g.prefill_rows)
+    calls = full * len(split) + len(tail)
+    padded = full * sum(split) + sum(tail)
     # rows of one length finish together: each wave ends on a short chunk; otherwise slots refill every chunk
     chunks = waves * math.ceil(max_new / g.chunk) if mean_new >= max_new else math.ceil(steps / g.chunk)
     return Waves(rows=rows, prompts=prompts, concurrent=c, waves=waves, decode_steps=steps,
                  chunks=chunks, slot_bucket=sb, slot_steps=sb * steps, prefill_calls=calls,
-                 prefill_prompts=calls * bucket, pool_rows=pool_rows)
+                 prefill_prompts=padded, pool_rows=pool_rows)
 
 
 def flops(m, g: EngineGrid, prefill_prompts: float, slot_steps: float) -> tuple[float, float]:

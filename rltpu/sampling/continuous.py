@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from rltpu.models import jax_llama
+from rltpu.sampling.buckets import split_rows
 from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, token_chooser
 
 _F32 = jnp.float32
@@ -643,16 +644,15 @@ class ContinuousSampler:
         }
 
     def _prefill(self, params, state, prompts, todo, pages, handles, c, n_mm):
-        """Prefill the prompts ``todo`` (indices) into their pages, grouped by prompt bucket and
-        batched by the prefill row buckets."""
+        """Prefill the prompts ``todo`` (indices) into their pages, grouped by prefill length and
+        split into calls of the prefill row buckets (``buckets.split_rows``)."""
         by_len: dict[int, list[int]] = {}
         for p in todo:
             L = pick_bucket(len(prompts[p]), self.prefill_lens, "prompt length")
             by_len.setdefault(L, []).append(p)
-        for L, ps_ in by_len.items():
-            while ps_:
-                n = next((b for b in self.prefill_rows if b >= len(ps_)), self.prefill_rows[-1])
-                part, ps_ = ps_[:n], ps_[n:]
+        for L, group in by_len.items():
+            for n in split_rows(len(group), self.prefill_rows):  # calls of the row buckets, least padding
+                part, group = group[:n], group[n:]
                 tokens = np.full((n, L), self.e.pad_id, np.int32)
                 lens = np.ones(n, np.int32)
                 tbl = np.zeros((n, L // self.ps), np.int32)
