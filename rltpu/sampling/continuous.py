@@ -131,7 +131,7 @@ class ContinuousSampler:
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
         self.stop = tuple(e.stop_ids)
-        self.xla_cpu = jax.default_backend() == "cpu" if e.mesh is None else e.mesh.devices.flat[0].platform == "cpu"
+        self.xla_cpu = e.xla_cpu  # the engine's decision: XLA:CPU-only gathers and compiler options
         self._compiled: dict = {}
         self._compile_lock = threading.Lock()
         self._state = None

@@ -116,7 +116,9 @@ class SamplerEngine:
         # heads and columns and adapters change with every sync, so those keep the trainer's names;
         # and the gain was measured on XLA:CPU only, while on a chip the packed copy would hold a
         # second set of weights in HBM during each sync, so a chip's engine keeps them too
-        self.packed = pack and self.mesh is None and self.adapters is None and jax.default_backend() == "cpu"
+        # XLA:CPU: where the CPU-only layouts and compiler options apply (measured there only)
+        self.xla_cpu = (jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform) == "cpu"
+        self.packed = pack and self.mesh is None and self.adapters is None and self.xla_cpu
         self.program_structs = (jax_llama.pack_params(self.param_structs, model_cfg) if self.packed
                                 else self.param_structs)
 
