@@ -305,6 +305,28 @@ def test_cpu_sample_and_sync_seconds_by_hand():
     assert "EMULATED" in plan.label()
 
 
+def test_cpu_train_seconds_take_the_steeper_line_past_the_large_probe_batch():
+    """Two measured train_step lines (small -> large batch, large -> doubled): a step costs the larger.
+    The second line here meets the first at 8 GFLOP and runs at 10 GFLOP/s: the quickstart's
+    256-row half (5.59 GFLOP) stays on the first line, its 512-row half (11.18 GFLOP) is on the second."""
+    fsdp = dict(FAKE_BENCH["fsdp_train_steps"], fixed_hi_s={"128": 0.05 + 8e9 / 15e9 - 8e9 / 10e9, "512": 0.0},
+                flops_hi={"128": 10e9, "512": 20e9})
+    bench = dict(FAKE_BENCH, fsdp_train_steps=fsdp)
+    for group, rows in ((8, 256), (16, 512)):
+        cfg = load_config(QUICKSTART, [f"sampler.group_size={group}", f"sampler.batch_buckets=[{rows}]",
+                                       "sampler.engine=static"])
+        plan = make_plan(cfg, "cpu", bench)
+        m = plan.model
+        Nm = m.layers * (m.layer_params - 2 * 128) + m.vocab * 128
+        tokens = rows * 12  # one trainer's half
+        f = 6 * Nm * tokens + 12 * tokens * 12 * 128 * 2
+        lo, hi = 0.05 + f / 15e9, fsdp["fixed_hi_s"]["128"] + f / 10e9
+        assert (hi > lo) == (rows == 512)
+        dispatch = 2e-3 + 10e-3 * tokens / 3072  # Ray fan-out to 2 + shipping the batch (10 ms per 3072 tokens)
+        assert plan.as_configured.phases.train == pytest.approx(max(lo, hi) + dispatch)
+        assert plan.as_configured.phases.detail["train"]["fixed"] == pytest.approx(0.05)
+
+
 # -- acceptance 4: nonsense inputs are one-line errors -----------------------------------------------
 
 def run_plan(*args, cwd=None, timeout=120):

@@ -269,16 +269,23 @@ def _log_interp(table: dict[str, float], x: float) -> float:
     return pts[-1][1]
 
 
-def cpu_train_fit(hw: Hardware, fsdp: int, width: int, layers: int) -> tuple[float, float]:
-    """(fixed seconds per update, marginal FLOP/s) of ``TrainerEngine.train_step`` on this CPU,
-    from the micro-benchmark's fit over two batch sizes of 2-layer probe Llamas (single process,
-    or 2 FSDP2 ranks over gloo when ``fsdp`` > 1), interpolated in log(width); the fixed part
-    grows by the measured seconds per layer beyond 2. The rate is capped at the GEMM rate."""
+def cpu_train_fit(hw: Hardware, fsdp: int, width: int, layers: int, flops: float) -> tuple[float, float]:
+    """(fixed seconds per update, seconds for ``flops`` of work) of ``TrainerEngine.train_step`` on
+    this CPU, from the micro-benchmark's probe Llamas (2 layers; single process, or 2 FSDP2 ranks over
+    gloo when ``fsdp`` > 1), interpolated in log(width); the fixed part grows by the measured seconds
+    per layer beyond 2. Two measured lines: small -> large batch, and large -> twice as large, which
+    is steeper once the working set outgrows the caches; a step costs the larger of the two (the
+    first below the large batch, the second above it). Rates are capped at the GEMM rate."""
     fit = hw.cpu["fsdp_train_steps" if fsdp > 1 else "train_steps"]
-    fixed = _log_interp(fit["fixed_s"], width) + (layers - 2) * fit["per_layer_s"]
+    extra = (layers - 2) * fit["per_layer_s"]
+    fixed = max(_log_interp(fit["fixed_s"], width) + extra, 0.0)
+    gemm = hw.gemm_flops(width, "torch")
     # a slope steeper than the bare GEMM rate is noise in the two points: no step beats its GEMMs
-    rate = min(_log_interp(fit["flops"], width), hw.gemm_flops(width, "torch"))
-    return max(fixed, 0.0), rate
+    total = fixed + flops / min(_log_interp(fit["flops"], width), gemm)
+    if "flops_hi" in fit:  # micro-benchmarks before v15 measured one line
+        total = max(total, _log_interp(fit["fixed_hi_s"], width) + extra +
+                    flops / min(_log_interp(fit["flops_hi"], width), gemm))
+    return fixed, total - fixed
 
 
 def ray_fanout_s(hw: Hardware, n: int) -> float:
@@ -420,8 +427,8 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     opt_bytes = w.ppo_epochs * 7 * T * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
     if hw.emulated:  # the measured train_step line: fixed seconds per update + FLOPs at the marginal rate
-        fixed, rate = cpu_train_fit(hw, fsdp, H, L)
-        out["compute"] = flops / rate  # incl. elementwise work, loss, backward, FSDP traffic per token
+        fixed, compute = cpu_train_fit(hw, fsdp, H, L, flops / w.ppo_epochs)  # per epoch
+        out["compute"] = compute * w.ppo_epochs  # incl. elementwise work, loss, backward, FSDP traffic per token
         # per update: kernel dispatch per layer, AdamW over every tensor, FSDP's per-layer
         # all-gathers / reduce-scatters, micro-batch planning; once per epoch (and per critic update)
         out["fixed"] = fixed * w.ppo_epochs * (2 if w.critic else 1)

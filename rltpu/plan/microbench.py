@@ -50,7 +50,7 @@ from rltpu.plan.shapes import PROBE, PROBE_NEW, PROBE_PROMPT, PROBE_ROWS, PROBE_
 
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 2048
-BENCH_VERSION = 14
+BENCH_VERSION = 15
 
 
 def _best(fn, reps: int = 9, min_s: float = 0.05) -> float:
@@ -336,10 +336,15 @@ def train_probe_flops(width: int, layers: int, rows: int) -> float:
 
 def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) -> dict:
     """``TrainerEngine.train_step`` (forward, log-softmax loss, backward, clip, AdamW; FSDP2 over
-    ``mesh`` when given) on 2-layer probe Llamas at each width, a small and a large batch, plus a
-    4-layer one at width 128 with the small batch. Per width: ``fixed_s`` (the line's intercept at
-    zero FLOPs, 2 layers), ``flops`` (its slope as FLOP/s); ``per_layer_s``: the small batch's
-    extra seconds per layer from 2 to 4 layers. Each point is the median of 9 steps, the points
+    ``mesh`` when given) on 2-layer probe Llamas at each width, a small, a large and a twice as large
+    batch, plus a 4-layer one at width 128 with the small batch. Per width: ``fixed_s`` (the line
+    through the small and large batch: its intercept at zero FLOPs, 2 layers), ``flops`` (its slope as
+    FLOP/s); ``fixed_hi_s`` / ``flops_hi``: the line through the large and the doubled batch, which is
+    steeper once a step's working set outgrows the caches (measured on a 2-core EPYC, FSDP over 2
+    ranks at width 128: 256 -> 512 rows per rank cost 0.72 ms a row, against 0.49 ms from 4 -> 256;
+    the single line under-predicted the quickstart's 512-row update by about a third);
+    ``per_layer_s``: the small batch's extra seconds per layer from 2 to 4 layers. Each point is the
+    median of 9 steps, the points
     interleaved round by round (so a burst of load elsewhere hits all of them, not one end of the
     line) and the ranks in lock-step: a run's figure is a median over its steps."""
     import torch
@@ -351,7 +356,8 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
     tcfg = TrainerConfig(lr=1e-3, grad_clip=1.0)
 
     w0, rs = TRAIN_PROBE_WIDTHS[0], TRAIN_PROBE_SMALL_ROWS
-    points = [(w, 2, r) for w in TRAIN_PROBE_WIDTHS for r in (rs, train_probe_rows(w))] + [(w0, 4, rs)]
+    points = [(w, 2, r) for w in TRAIN_PROBE_WIDTHS for r in (rs, train_probe_rows(w), 2 * train_probe_rows(w))]
+    points += [(w0, 4, rs)]
     engines = {}
     for width, layers, rows in points:
         eng = TrainerEngine(ModelConfig(**probe_dims(width, layers)), tcfg, TRAIN_PROBE_VOCAB, 0, 1.0,
@@ -372,15 +378,19 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
             cpu_in += time.process_time() - c_0
     med = {p: sorted(t)[len(t) // 2] for p, t in times.items()}  # as --against reads a run: median step
 
-    out: dict = {"fixed_s": {}, "flops": {},
+    out: dict = {"fixed_s": {}, "flops": {}, "fixed_hi_s": {}, "flops_hi": {},
+                 "median_s": {f"w{w}_l{n}_r{r}": t for (w, n, r), t in med.items()},  # the points the lines are fit to
                  "cpu_share": cpu_in / max(sum(sum(t) for t in times.values()), 1e-9)}
     for w in TRAIN_PROBE_WIDTHS:
         rb = train_probe_rows(w)
-        ts, tb = med[(w, 2, rs)], med[(w, 2, rb)]
-        fs, fb = train_probe_flops(w, 2, rs), train_probe_flops(w, 2, rb)
+        ts, tb, t2 = med[(w, 2, rs)], med[(w, 2, rb)], med[(w, 2, 2 * rb)]
+        fs, fb, f2 = (train_probe_flops(w, 2, r) for r in (rs, rb, 2 * rb))
         slope = max((tb - ts) / (fb - fs), 1e-15)  # seconds per FLOP
         out["flops"][str(w)] = 1 / slope
         out["fixed_s"][str(w)] = max(ts - fs * slope, 0.0)
+        slope_hi = max((t2 - tb) / (f2 - fb), 1e-15)
+        out["flops_hi"][str(w)] = 1 / slope_hi
+        out["fixed_hi_s"][str(w)] = tb - fb * slope_hi  # may be negative: only used where it is the larger line
     extra_flops = train_probe_flops(w0, 4, rs) - train_probe_flops(w0, 2, rs)
     out["per_layer_s"] = max((med[(w0, 4, rs)] - med[(w0, 2, rs)] - extra_flops / out["flops"][str(w0)]) / 2, 0.0)
     return out
