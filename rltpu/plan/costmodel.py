@@ -426,7 +426,7 @@ def train_seconds(hw: Hardware, m: ModelShape, w: Workload, fsdp: int, tp: int, 
     fsdp_bytes = n_micro * w.ppo_epochs * (2 * cb * m.params + sb * T) * (fsdp - 1) / fsdp if fsdp > 1 else 0.0
     opt_bytes = w.ppo_epochs * 7 * T * sb / (fsdp * tp)  # read p, g, m, v; write p, m, v
     out: dict[str, float] = {}
-    if hw.emulated:  # the measured train_step line: fixed seconds per update + FLOPs at the marginal rate
+    if hw.emulated:  # the measured train_step lines: fixed seconds per update + FLOPs at the marginal rate
         fixed, compute = cpu_train_fit(hw, fsdp, H, L, flops / w.ppo_epochs)  # per epoch
         out["compute"] = compute * w.ppo_epochs  # incl. elementwise work, loss, backward, FSDP traffic per token
         # per update: kernel dispatch per layer, AdamW over every tensor, FSDP's per-layer

@@ -340,9 +340,9 @@ def bench_train_steps(world: int = 1, mesh=None, barrier=None, rank: int = 0) ->
     batch, plus a 4-layer one at width 128 with the small batch. Per width: ``fixed_s`` (the line
     through the small and large batch: its intercept at zero FLOPs, 2 layers), ``flops`` (its slope as
     FLOP/s); ``fixed_hi_s`` / ``flops_hi``: the line through the large and the doubled batch, which is
-    steeper once a step's working set outgrows the caches (measured on a 2-core EPYC, FSDP over 2
-    ranks at width 128: 256 -> 512 rows per rank cost 0.72 ms a row, against 0.49 ms from 4 -> 256;
-    the single line under-predicted the quickstart's 512-row update by about a third);
+    steeper once a step's working set outgrows the caches (a 2-core EPYC, FSDP over 2 ranks at width
+    128, each batch repeated: 256 -> 512 rows per rank cost 0.72 ms a row, against 0.49 ms from 4 ->
+    256; interleaved as here the bend was often smaller: docs/plan.md, Calibration);
     ``per_layer_s``: the small batch's extra seconds per layer from 2 to 4 layers. Each point is the
     median of 9 steps, the points
     interleaved round by round (so a burst of load elsewhere hits all of them, not one end of the
