@@ -37,6 +37,26 @@ def test_decide_per_phase_deadlines_and_silence():
     assert decide(reports, now, DEADLINES, 15.0, skip={"sampler-1", "reward-0"}) == {}
 
 
+@pytest.mark.parametrize("sampler, skip, want", [
+    (report("sampling", since=95.0, beat=99.5), set(), ["trainer-1"]),          # samplers fine: the trainer is hung
+    (report("idle", since=0.0, beat=80.0), set(), ["sampler-0"]),               # a stopped sampler: the sync waits on it
+    (report("syncing", since=90.0, beat=99.5), set(), ["sampler-0"]),           # a sampler hung in the sync itself
+    (report("idle", since=0.0, beat=80.0), {"sampler-0"}, []),                  # fenced, not yet replaced: still waiting
+])
+def test_a_trainer_waiting_in_a_sync_on_a_hung_sampler_is_not_judged_hung(sampler, skip, want):
+    """The chaos run's second rollback: a sampler SIGSTOPped just before a sync; its heartbeat went
+    quiet 1 s before the trainers passed their syncing deadline, and fencing a trainer as well
+    restarted the group from a checkpoint. A trainer that is itself silent is still judged."""
+    now = 100.0
+    reports = {"sampler-0": sampler,
+               "trainer-0": report("idle", since=0.0, beat=99.5, key=("trainer", 0)),
+               "trainer-1": report("syncing", since=95.0, beat=99.5, key=("trainer", 1))}  # 5 s of 2
+    assert sorted(decide(reports, now, DEADLINES, 15.0, skip=skip)) == want
+    # a trainer past its syncing deadline and silent (stopped itself) is judged whatever the samplers do
+    reports["trainer-0"] = report("syncing", since=95.0, beat=70.0, key=("trainer", 0))
+    assert "trainer-0" in decide(reports, now, DEADLINES, 15.0, skip=skip)
+
+
 class FakeMonitor:
     """``beat.remote(report)`` like a Ray actor handle, into a real HealthMonitor."""
 

@@ -168,8 +168,12 @@ def decide(reports: dict[str, dict], now: float, deadlines: dict[str, float], he
     """Actor key -> why it is HUNG, for every actor that missed its phase deadline or went quiet.
 
     Idle has no deadline (nobody waits on it); a stopped process is caught by its silent heartbeat.
+    A weight sync waits on every sampler: while a sampler is hung (judged now, or in ``skip``: reported
+    and not yet replaced), a trainer past its syncing deadline is waiting on it, not hung itself, and
+    gets no verdict (fencing it would restart the trainer group and roll back steps for nothing; its
+    report can lag the sampler's fencing by a heartbeat). It is judged again once the sampler is back.
     """
-    verdicts = {}
+    verdicts, syncing_trainers = {}, []
     for key, r in reports.items():
         if key in skip:
             continue
@@ -178,9 +182,18 @@ def decide(reports: dict[str, dict], now: float, deadlines: dict[str, float], he
         limit = deadlines.get(r["phase"])
         if limit is not None and r["phase"] != "idle" and in_phase > limit:
             verdicts[key] = f"hung in {r['phase']} for {in_phase:.0f}s > deadline {limit:g}s"
+            if r["phase"] == "syncing" and _role(key) == "trainer" and quiet <= heartbeat_timeout_s:
+                syncing_trainers.append(key)
         elif quiet > heartbeat_timeout_s:
             verdicts[key] = f"no heartbeat for {quiet:.0f}s > {heartbeat_timeout_s:g}s (last phase {r['phase']})"
+    if any(_role(k) == "sampler" for k in [*verdicts, *skip]):
+        for key in syncing_trainers:  # still beating: waiting on the sampler
+            del verdicts[key]
     return verdicts
+
+
+def _role(key: str) -> str:
+    return key.rsplit("-", 1)[0]
 
 
 def deadlines_of(health_cfg) -> dict[str, float]:
