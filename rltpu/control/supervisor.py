@@ -30,8 +30,8 @@ from typing import Callable
 
 from rltpu.chips.topology import Role
 from rltpu.control.placement import form_process_groups
-from rltpu.observe.health import (HealthError, HealthMonitor, Watchdog, actor_rows, bounded_get, trace_events,
-                                  write_health, write_trace)
+from rltpu.observe.health import (HealthError, HealthMonitor, Watchdog, actor_rows, bounded_get, role_of,
+                                  trace_events, write_health, write_trace)
 from rltpu.observe.log import get_logger
 
 logger = get_logger(__name__)
@@ -46,10 +46,6 @@ class TrainerGroupFailed(RuntimeError):
 def _error_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[-1][:200] if text else ''}"
-
-
-def role_of(key: str) -> str:
-    return key.rsplit("-", 1)[0]
 
 
 @dataclass(frozen=True)

@@ -182,17 +182,18 @@ def decide(reports: dict[str, dict], now: float, deadlines: dict[str, float], he
         limit = deadlines.get(r["phase"])
         if limit is not None and r["phase"] != "idle" and in_phase > limit:
             verdicts[key] = f"hung in {r['phase']} for {in_phase:.0f}s > deadline {limit:g}s"
-            if r["phase"] == "syncing" and _role(key) == "trainer" and quiet <= heartbeat_timeout_s:
+            if r["phase"] == "syncing" and role_of(key) == "trainer" and quiet <= heartbeat_timeout_s:
                 syncing_trainers.append(key)
         elif quiet > heartbeat_timeout_s:
             verdicts[key] = f"no heartbeat for {quiet:.0f}s > {heartbeat_timeout_s:g}s (last phase {r['phase']})"
-    if any(_role(k) == "sampler" for k in [*verdicts, *skip]):
+    if any(role_of(k) == "sampler" for k in [*verdicts, *skip]):
         for key in syncing_trainers:  # still beating: waiting on the sampler
             del verdicts[key]
     return verdicts
 
 
-def _role(key: str) -> str:
+def role_of(key: str) -> str:
+    """``sampler-1`` -> ``sampler``: actor keys are role-rank."""
     return key.rsplit("-", 1)[0]
 
 
