@@ -169,7 +169,9 @@ def test_chaos_sigkill_sampler_and_trainer_then_sigstop_the_other_sampler(tmp_pa
     assert m[-1]["step"] == steps and m[-1]["data_position"] == steps * MECHANICS_PROMPTS
     health = read_health(run_dir)
     assert health["state"] == "finished", err[-3000:]
-    assert health["restarts"].get(victim["key"]) == 1 and health["restarts"].get(trainer["key"]) == 1, health["restarts"]
+    events = [(round(e["time"] - stopped_at, 1), e["actor"], e["what"], e["why"][:160]) for e in health["events"]]
+    assert health["restarts"].get(victim["key"]) == 1 and health["restarts"].get(trainer["key"]) == 1, (
+        health["restarts"], events)
     fenced = [e for e in health["events"] if e["actor"] == hung["key"] and e["what"] == "fenced"]
     assert fenced, err[-3000:]
     latency = fenced[0]["time"] - stopped_at

@@ -57,6 +57,34 @@ def test_a_trainer_waiting_in_a_sync_on_a_hung_sampler_is_not_judged_hung(sample
     assert "trainer-0" in decide(reports, now, DEADLINES, 15.0, skip=skip)
 
 
+@pytest.mark.parametrize("s1, skip, want", [
+    (report("idle", since=0.0, beat=84.0, key=("sampler", 1)), set(), ["sampler-1"]),        # stopped before the sync
+    (report("idle", since=0.0, beat=89.0, key=("sampler", 1)), set(), []),                   # 11 s quiet: not yet judged
+    (report("syncing", since=90.0, beat=92.0, key=("sampler", 1)), set(), ["sampler-1"]),    # stopped in it, 8 s ago
+    (report("idle", since=0.0, beat=84.0, key=("sampler", 1)), {"sampler-1"}, []),           # fenced, not yet replaced
+    (report("sampling", since=60.0, beat=99.5, key=("sampler", 1)), set(), ["sampler-1"]),   # hung in another phase
+    (report("syncing", since=90.0, beat=99.5, key=("sampler", 1)), set(), ["sampler-0", "sampler-1"]),  # no cause seen
+])
+def test_a_sampler_waiting_in_a_sync_on_another_hung_member_is_not_judged_hung(s1, skip, want):
+    """The chaos run's failure after the trainer rule: sampler-1 SIGSTOPped just before a sync; in one
+    poll its silence passed 10 s and sampler-0, waiting in the sync on it, passed its 10 s syncing
+    deadline; both were fenced and the healthy one restarted for nothing. The trainers, waiting too,
+    are excused whenever a sampler is judged; with waiters alone, the samplers go first."""
+    now = 100.0
+    reports = {"sampler-0": report("syncing", since=90.0, beat=99.5),                       # 10 s of 2, beating
+               "sampler-1": s1,
+               "trainer-0": report("syncing", since=90.0, beat=99.5, key=("trainer", 0)),
+               "reward-0": report("idle", since=0.0, beat=99.5, key=("reward", 0))}
+    assert sorted(decide(reports, now, DEADLINES, 15.0, skip=skip, heartbeat_s=1.0)) == want
+    # without heartbeat_s a member counts as beating until heartbeat_timeout_s: the one stopped
+    # 8 or 11 s ago is no cause yet, and the waiting sampler is judged as well
+    if s1["time"] in (89.0, 92.0):
+        assert "sampler-0" in decide(reports, now, DEADLINES, 15.0, skip=skip)
+    # a silent reward worker is no member of the sync: it changes no sync verdict
+    reports["reward-0"] = report("idle", since=0.0, beat=70.0, key=("reward", 0))
+    assert sorted(decide(reports, now, DEADLINES, 15.0, skip=skip, heartbeat_s=1.0)) == sorted(want + ["reward-0"])
+
+
 class FakeMonitor:
     """``beat.remote(report)`` like a Ray actor handle, into a real HealthMonitor."""
 

@@ -163,32 +163,48 @@ class HealthMonitor:
         return {"reports": self.reports, "spans": spans, "time": time.time()}
 
 
+SYNC_ROLES = ("sampler", "trainer")  # the members of a weight sync: each waits on all the others
+
+
 def decide(reports: dict[str, dict], now: float, deadlines: dict[str, float], heartbeat_timeout_s: float,
-           skip: set | frozenset = frozenset()) -> dict[str, str]:
+           skip: set | frozenset = frozenset(), heartbeat_s: float | None = None) -> dict[str, str]:
     """Actor key -> why it is HUNG, for every actor that missed its phase deadline or went quiet.
 
     Idle has no deadline (nobody waits on it); a stopped process is caught by its silent heartbeat.
-    A weight sync waits on every sampler: while a sampler is hung (judged now, or in ``skip``: reported
-    and not yet replaced), a trainer past its syncing deadline is waiting on it, not hung itself, and
-    gets no verdict (fencing it would restart the trainer group and roll back steps for nothing; its
-    report can lag the sampler's fencing by a heartbeat). It is judged again once the sampler is back.
+    A weight sync waits on every member (samplers and trainers). A member past its syncing deadline
+    that still beats is *waiting*. A member that misses beats (three of ``heartbeat_s``; its own
+    verdict comes at ``heartbeat_timeout_s``), is hung in another phase, or is in ``skip`` (reported,
+    not yet replaced) is a *cause*. While there is a cause, waiters get no verdict: fencing them would
+    replace healthy samplers or restart the trainer group and roll back steps for nothing (a
+    report can lag the cause's fencing by a heartbeat). With waiters alone, the samplers are
+    judged first (a replacement is cheap; a trainer restart rolls back). A waiter is judged again
+    once the cause is back.
     """
-    verdicts, syncing_trainers = {}, []
+    verdicts, waiters, missing = {}, [], []
+    missing_beats = min(3 * heartbeat_s, heartbeat_timeout_s) if heartbeat_s else heartbeat_timeout_s
     for key, r in reports.items():
         if key in skip:
             continue
         quiet = now - r.get("received", r["time"])
         in_phase = now - r["phase_since"]
         limit = deadlines.get(r["phase"])
+        if role_of(key) in SYNC_ROLES and quiet > missing_beats:
+            missing.append(key)
         if limit is not None and r["phase"] != "idle" and in_phase > limit:
             verdicts[key] = f"hung in {r['phase']} for {in_phase:.0f}s > deadline {limit:g}s"
-            if r["phase"] == "syncing" and role_of(key) == "trainer" and quiet <= heartbeat_timeout_s:
-                syncing_trainers.append(key)
+            if r["phase"] == "syncing" and role_of(key) in SYNC_ROLES and key not in missing:
+                waiters.append(key)
         elif quiet > heartbeat_timeout_s:
             verdicts[key] = f"no heartbeat for {quiet:.0f}s > {heartbeat_timeout_s:g}s (last phase {r['phase']})"
-    if any(role_of(k) == "sampler" for k in [*verdicts, *skip]):
-        for key in syncing_trainers:  # still beating: waiting on the sampler
-            del verdicts[key]
+    causes = [k for k in [*verdicts, *skip, *missing] if role_of(k) in SYNC_ROLES and k not in waiters]
+    if causes:
+        excused = waiters
+    elif any(role_of(k) == "sampler" for k in waiters):
+        excused = [k for k in waiters if role_of(k) == "trainer"]
+    else:
+        excused = []
+    for key in excused:
+        del verdicts[key]
     return verdicts
 
 
@@ -233,7 +249,7 @@ class Watchdog(threading.Thread):
             self.reports = snap["reports"]
             self.spans.extend(snap["spans"])
             verdicts = decide(self.reports, time.time(), self.deadlines, self.cfg.heartbeat_timeout_s,
-                              skip=self.skip())
+                              skip=self.skip(), heartbeat_s=self.cfg.heartbeat_s)
         for key, why in verdicts.items() if act else ():
             self.on_hung(key, why, self.reports[key]["incarnation"])
         self.write()
