@@ -246,6 +246,46 @@ def predict(mcfg, scfg, gen: str, rows: int, n_new: int, mean_len: float, measur
     return out
 
 
+def chooser_ablation(shapes=((64, 151936), (256, 151936), (256, 68), (256, 32768))) -> list[dict]:
+    """The token draw alone, per (rows, vocab): one cumsum over the vocabulary (the draw before
+    ``rltpu.sampling.common.inverse_cdf``) against the two-level draw, and the log-softmax + argmax
+    floor; how often the two draws agree on the same uniforms."""
+    import jax
+    import jax.numpy as jnp
+
+    from rltpu.sampling.common import inverse_cdf
+
+    def full(probs, u):
+        cdf = jnp.cumsum(probs, axis=-1)
+        return jnp.minimum(jnp.sum(cdf < (1.0 - u) * cdf[:, -1:], axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+
+    fns = {"full_cumsum": jax.jit(lambda lg, u: full(jax.nn.softmax(lg, -1), u)),
+           "two_level": jax.jit(lambda lg, u: inverse_cdf(jax.nn.softmax(lg, -1), u)),
+           "argmax_floor": jax.jit(lambda lg, u: jnp.argmax(jax.nn.log_softmax(lg, -1), -1))}
+    out = []
+    for B, V in shapes:
+        k1, k2 = jax.random.split(jax.random.PRNGKey(B + V))
+        logits = 3.0 * jax.random.normal(k1, (B, V), jnp.float32)
+        u = jax.random.uniform(k2, (B, 1), jnp.float32)
+        rec = {"rows": B, "vocab": V}
+        for name, f in fns.items():
+            jax.block_until_ready(f(logits, u))
+            ts = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(logits, u))
+                ts.append(time.perf_counter() - t0)
+            rec[f"{name}_ms"] = r(1e3 * statistics.median(ts), 3)
+        agree = []
+        for i in range(20):
+            uu = jax.random.uniform(jax.random.PRNGKey(1000 + i), (B, 1), jnp.float32)
+            agree.append(float(jnp.mean(fns["full_cumsum"](logits, uu) == fns["two_level"](logits, uu))))
+        rec["agreement"] = r(statistics.mean(agree), 6)
+        out.append(rec)
+        log(f"draw {B} x {V}: {rec}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="25M,0.5B")
@@ -254,6 +294,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="a 0.3M model, short cells: checks the script on a CPU")
     ap.add_argument("--cells", default="", help="only these cells, e.g. longtail200_b256 (default: all)")
     ap.add_argument("--no-parity", dest="parity", action="store_false", help="skip the greedy parity check")
+    ap.add_argument("--chooser", action="store_true", help="time the token draw alone (full vs two-level cumsum)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import jax
@@ -278,6 +319,10 @@ def main() -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
+    if args.chooser:
+        doc["token_draw"] = chooser_ablation(((8, 68), (16, 1024)) if args.smoke else
+                                             ((64, 151936), (256, 151936), (256, 68), (256, 32768)))
+        models = []
     for m in models:
         save(m, bench_model(m, args, gen, lambda part, m=m: save(m, part | {"partial": True})))
     print(json.dumps(doc, indent=1))
