@@ -323,6 +323,10 @@ def main() -> int:
         doc["token_draw"] = chooser_ablation(((8, 68), (16, 1024)) if args.smoke else
                                              ((64, 151936), (256, 151936), (256, 68), (256, 32768)))
         models = []
+        save_doc = {"wall_s": r(time.perf_counter() - t0, 1)}
+        doc |= save_doc
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for m in models:
         save(m, bench_model(m, args, gen, lambda part, m=m: save(m, part | {"partial": True})))
     print(json.dumps(doc, indent=1))
