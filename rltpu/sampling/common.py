@@ -63,7 +63,9 @@ def inverse_cdf(probs, u, block: int = CDF_BLOCK):
     probabilities twice and scans V / block + block. Rounding can put the target past the chosen
     block's own cumsum: the draw then takes the block's last id with p > 0, never a masked one."""
     B, V = probs.shape
-    block = min(block, V)  # a small vocabulary is one block: no padding
+    if V <= block:  # one level: the target comes from the same cumsum it is compared with
+        cdf = jnp.cumsum(probs, axis=-1)
+        return jnp.minimum(jnp.sum(cdf < (1.0 - u) * cdf[:, -1:], axis=-1), V - 1).astype(jnp.int32)
     nb = -(-V // block)
     p = jnp.pad(probs, ((0, 0), (0, nb * block - V))).reshape(B, nb, block)
     sums = p.sum(-1)  # (B, nb)
