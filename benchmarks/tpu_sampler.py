@@ -246,6 +246,19 @@ def predict(mcfg, scfg, gen: str, rows: int, n_new: int, mean_len: float, measur
     return out
 
 
+def median_call_s(f, *args, reps: int = 20) -> float:
+    """Median seconds of ``f(*args)`` to a ready result, after one untimed call (its compile)."""
+    import jax
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def chooser_ablation(shapes=((64, 151936), (256, 151936), (256, 68), (256, 32768))) -> list[dict]:
     """The token draw alone, per (rows, vocab): one cumsum over the vocabulary (the draw before
     ``rltpu.sampling.common.inverse_cdf``) against the two-level draw, and the log-softmax + argmax
@@ -269,13 +282,7 @@ def chooser_ablation(shapes=((64, 151936), (256, 151936), (256, 68), (256, 32768
         u = jax.random.uniform(k2, (B, 1), jnp.float32)
         rec = {"rows": B, "vocab": V}
         for name, f in fns.items():
-            jax.block_until_ready(f(logits, u))
-            ts = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(logits, u))
-                ts.append(time.perf_counter() - t0)
-            rec[f"{name}_ms"] = r(1e3 * statistics.median(ts), 3)
+            rec[f"{name}_ms"] = r(1e3 * median_call_s(f, logits, u), 3)
         agree = []
         for i in range(20):
             uu = jax.random.uniform(jax.random.PRNGKey(1000 + i), (B, 1), jnp.float32)
