@@ -102,8 +102,8 @@ def random_params(shapes: dict, dtype: str, seed: int) -> dict:
     import jax.numpy as jnp
 
     key, out = jax.random.PRNGKey(seed), {}
-    for i, (name, (shape, _dt)) in enumerate(sorted(shapes.items())):
-        dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    for i, (name, (shape, _)) in enumerate(sorted(shapes.items())):
         if "norm" in name:
             out[name] = jnp.ones(shape, dt)
         else:
@@ -131,7 +131,7 @@ def bench_model(name: str, args, gen: str | None, save=lambda part: None) -> dic
     params = random_params(shapes, cfg.dtype, seed=0)
     jax.block_until_ready(params)
     n_stops = max(1, V // 68)
-    stops = tuple(range(V - n_stops + 1, V)) if n_stops > 1 else ()  # plus STOP0... see below
+    stops = tuple(range(V - n_stops + 1, V))  # with the EOS, STOP0: n_stops ids; prompts avoid the top ones
     log(f"{name}: {n_params:,} params ({cfg.dtype}), stop set {n_stops} ids")
     cells = [c for c in spec["cells"] if not args.cells or f"{c[0]}{c[2]}_b{c[1]}" in args.cells.split(",")]
     engines, compile_s = {}, {}
@@ -155,7 +155,6 @@ def bench_model(name: str, args, gen: str | None, save=lambda part: None) -> dic
                            "programs": eng.stats.compiles}
         engines[mode] = eng
         log(f"{name} {mode}: precompiled {compile_s[mode]}")
-    prefix_stops = n_stops  # prompts avoid the top ids (the stop set) in both modes
 
     def call(mode, system, prompts, seed, n_new):
         t0 = time.perf_counter()
@@ -175,7 +174,7 @@ def bench_model(name: str, args, gen: str | None, save=lambda part: None) -> dic
     res_cells = {}
     seed = 1
     for mode, rows, n_new in cells:
-        prompts = prompts_for(rows, V, prefix_stops, 1000 + rows)
+        prompts = prompts_for(rows, V, n_stops, 1000 + rows)
         systems = ("continuous", "static")
         for s in systems:  # one untimed call per engine: the first run of a program on a chip pays its load
             call(mode, s, prompts, 0, n_new)
@@ -200,7 +199,7 @@ def bench_model(name: str, args, gen: str | None, save=lambda part: None) -> dic
         log(f"{name} {mode} b{rows} x{n_new}: continuous {res['continuous']['tokens_per_s']:.0f} tok/s "
             f"({res['continuous']['calls'][0]['engine']}), static {res['static']['tokens_per_s']:.0f} tok/s"
             + (f"; planner {cell['planner']}" if gen else ""))
-    parity = greedy_parity(engines["longtail"], V, prefix_stops) if "longtail" in engines and args.parity else None
+    parity = greedy_parity(engines["longtail"], V, n_stops) if "longtail" in engines and args.parity else None
     if parity:
         log(f"{name} greedy parity: {parity}")
     return {"params": n_params, "config": spec["cfg"], "stop_ids": n_stops, "precompile": compile_s,
@@ -259,7 +258,11 @@ def median_call_s(f, *args, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def chooser_ablation(shapes=((64, 151936), (256, 151936), (256, 68), (256, 32768))) -> list[dict]:
+DRAW_SHAPES = ((64, 151936), (256, 151936), (256, 68), (256, 32768))  # (rows, vocab); --smoke: SMOKE_DRAWS
+SMOKE_DRAWS = ((8, 68), (16, 1024))
+
+
+def chooser_ablation(shapes) -> list[dict]:
     """The token draw alone, per (rows, vocab): one cumsum over the vocabulary (the draw before
     ``rltpu.sampling.common.inverse_cdf``) against the two-level draw, and the log-softmax + argmax
     floor; how often the two draws agree on the same uniforms."""
@@ -320,20 +323,17 @@ def main() -> int:
            "device": facts, "real_chip": facts["platform"] == "tpu", "matmul_precision": precision,
            "models": {}}
 
-    def save(name, part):
-        doc["models"][name] = part
+    def save(name=None, part=None):
+        if name:
+            doc["models"][name] = part
         doc["wall_s"] = r(time.perf_counter() - t0, 1)
         if args.out:
             Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
     if args.chooser:
-        doc["token_draw"] = chooser_ablation(((8, 68), (16, 1024)) if args.smoke else
-                                             ((64, 151936), (256, 151936), (256, 68), (256, 32768)))
+        doc["token_draw"] = chooser_ablation(SMOKE_DRAWS if args.smoke else DRAW_SHAPES)
         models = []
-        save_doc = {"wall_s": r(time.perf_counter() - t0, 1)}
-        doc |= save_doc
-        if args.out:
-            Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        save()
     for m in models:
         save(m, bench_model(m, args, gen, lambda part, m=m: save(m, part | {"partial": True})))
     print(json.dumps(doc, indent=1))
