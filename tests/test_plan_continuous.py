@@ -45,6 +45,7 @@ def _engine(scfg: SamplerConfig, eos: int):
     dict(batch_buckets=(16, 64), max_new_tokens=12, prompt_buckets=(8, 16), group_size=4),  # auto slots and pool
     dict(slots=48, batch_buckets=(4, 16, 64), max_new_tokens=40, kv_page_size=16, kv_pages=300, group_size=8,
          prompt_buckets=(20,), decode_chunk=8),
+    dict(batch_buckets=(64,), max_new_tokens=40, decode_chunk=8, group_size=4),  # one bucket: the slot floor
 ])
 def test_grid_is_the_one_the_engine_builds(kw):
     """Slots, page size, pool pages (auto and explicit), prefill and slot buckets, the attention block,
@@ -61,6 +62,32 @@ def test_grid_is_the_one_the_engine_builds(kw):
     assert g.pool_bytes(shape.kv_bytes_per_token) == real.pool_bytes()
     # by hand: one page is K and V of every layer for page_size tokens: 2 x 2 layers x 2 kv heads x 8 x 4 B
     assert real.page_bytes() == 2 * 2 * 2 * 8 * 4 * g.page_size
+
+
+def test_slot_buckets_by_hand():
+    """One batch bucket and a request of several chunks: powers of two down to max(8, slots/32); a request
+    done in one chunk, or batch buckets that already go lower, add nothing."""
+    from rltpu.sampling.buckets import slot_buckets
+
+    assert slot_buckets(256, (256,), 200, 8) == (8, 16, 32, 64, 128, 256)
+    assert slot_buckets(512, (512,), 64, 8) == (16, 32, 64, 128, 256, 512)
+    assert slot_buckets(512, (512,), 8, 8) == (512,)  # the quickstart's shape: one chunk, one program
+    assert slot_buckets(256, (8, 64, 256), 200, 8) == (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert slot_buckets(64, (16, 64), 12, 8) == (8, 16, 24, 32, 48, 64)
+
+
+def test_one_batch_bucket_long_tail_shrinks_its_slots():
+    """32 rows on one batch bucket (32 slots), EOS drawable, up to 24 tokens in chunks of 4: once rows
+    finish, chunks run at 8 or 16 slots, so the call's slot-steps fall below 32 per decode step (before
+    the floor every chunk ran all 32 slots: slot_steps == 32 x decode_steps)."""
+    scfg = SamplerConfig(engine="continuous", batch_buckets=(32,), max_new_tokens=24, decode_chunk=4, group_size=2,
+                         prompt_buckets=(8,), temperature=1.0)
+    eng = _engine(scfg, eos=1)
+    assert eng.continuous.slot_buckets == (8, 16, 32)
+    out = eng.continuous.generate([[2 + i % 9, 3, 4] for i in range(16)], 2, seed=0)
+    lengths = list(out["lengths"])
+    assert min(lengths) < 24 and out["decode_steps"] == max(lengths)  # some rows stop early, one runs longest
+    assert sum(lengths) <= out["slot_steps"] < 32 * out["decode_steps"], (out["slot_steps"], out["decode_steps"])
 
 
 def test_waves_are_what_a_call_runs():

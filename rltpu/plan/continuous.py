@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rltpu.sampling.buckets import split_rows
+from rltpu.sampling.buckets import slot_buckets, split_rows
 
 AUTO_POOL_FRACTION = 0.4  # sampler.kv_pages=0: pages for 40% of the slot grid's dense cache (the engine's rule)
 ATTN_BLOCK_TOKENS = 32  # the engine's attention block (rltpu/sampling/continuous.py)
@@ -69,9 +69,7 @@ class EngineGrid:
         first = math.ceil(min(C, T) / ps)
         auto = max(math.ceil(AUTO_POOL_FRACTION * S * (P + T) / ps), S * first + per * MP, MP + MG)
         pages = (scfg.kv_pages or auto) + 1
-        lo = min(min(scfg.batch_buckets), S)
-        steps = {m << k for k in range(S.bit_length()) for m in (1, 3)}  # powers of two and 1.5x between
-        buckets = tuple(sorted({b for b in scfg.batch_buckets if b < S} | {S} | {b for b in steps if lo < b < S}))
+        buckets = slot_buckets(S, tuple(scfg.batch_buckets), T, C)
         block = max(1, min(ATTN_BLOCK_TOKENS // ps, MP + MG))
         top = ps * MP  # the largest prompt bucket in whole pages; below it, the powers of two pages
         lens = tuple(sorted({ps * math.ceil(b / ps) for b in scfg.prompt_buckets}

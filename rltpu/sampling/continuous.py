@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from rltpu.models import jax_llama
-from rltpu.sampling.buckets import split_rows
+from rltpu.sampling.buckets import slot_buckets, split_rows
 from rltpu.sampling.common import matmul_params, pick_bucket, prefill_flops, token_chooser
 
 _F32 = jnp.float32
@@ -118,15 +118,11 @@ class ContinuousSampler:
         # slot bucket serves every history length
         self.BP = max(1, min(ATTN_BLOCK_TOKENS // self.ps, self.MP + self.MG))  # no wider than a whole history
         self.TW = math.ceil((self.MP + self.MG) / self.BP) * self.BP  # block-table width, whole blocks
-        # slots a chunk computes: the smallest of these that holds the busy rows (the batch buckets
-        # below S, the powers of two and the 1.5x steps between them from the smallest of them up
-        # to S, and S), so a small request or the tail of a large one pays for about its own rows
-        # only (the 1.5x steps cut padded slot-steps by about 15% on a long tail for 1.7x programs,
-        # each cheap now that one program serves every history length)
-        lo = min(min(cfg.batch_buckets), self.S)
-        steps = {m << k for k in range(self.S.bit_length()) for m in (1, 3)}
-        self.slot_buckets = tuple(sorted({b for b in cfg.batch_buckets if b < self.S} | {self.S}
-                                         | {b for b in steps if lo < b < self.S}))
+        # slots a chunk computes: the smallest bucket (rltpu.sampling.buckets.slot_buckets) that holds the
+        # busy rows, so a small request or the tail of a large one pays for about its own rows only (the
+        # 1.5x steps cut padded slot-steps by about 15% on a long tail for 1.7x programs, each cheap now
+        # that one program serves every history length)
+        self.slot_buckets = slot_buckets(self.S, tuple(cfg.batch_buckets), self.T, self.C)
         self.NW = math.ceil((self.ps - 1 + self.C) / self.ps)  # pages one chunk's new tokens can span
         self.H = self.S + max(self.prefill_rows)  # prompt-logit rows (handles)
         self.choose = token_chooser(cfg)
