@@ -9,7 +9,7 @@ more call with ``jax.profiler`` and charges every XLA op the trace shows to what
 computes (the ``op_name`` of the executables in ``SamplerEngine.programs()``):
 
   linear     the per-layer projections and MLP (``...i,io->...o`` dots: q/k/v, o, gate/up, down)
-  attention  the score and value dots of attention (every other einsum dot), and its softmax
+  attention  the score and value dots of attention (every other dot); its softmax counts as other
   lm_head    the vocabulary projection
   cache      KV-cache writes (dynamic-update-slice) and page gathers
   other      everything else (norms, RoPE, residual adds, the token draw, loop bookkeeping)
@@ -66,8 +66,6 @@ def category(op_name: str, shape: str, vocab: int) -> str:
             return "linear"
         if re.search(rf"[\[,]{vocab}\]", shape) or "oi->...o" in op_name:
             return "lm_head"
-        return "attention"
-    if re.search(r"/(exp|reduce_max|softmax)", op_name) and ("bgrs" in op_name or "bgrts" in op_name):
         return "attention"
     return "other"
 
