@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 
 from rltpu.chips import backend  # noqa: E402
+from tpu_sampler import median_call_s, prompts_for, random_params  # noqa: E402
 
 MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=256, vocab_size=68)
@@ -110,28 +111,18 @@ def traced_seconds(fn, table: dict) -> dict:
 
 
 def standalone_dot_flops(rows: int, k: int, n: int) -> float:
-    """FLOP/s of one jitted ``x @ w`` at the gate/up shape: this machine's XLA:CPU dot rate."""
+    """FLOP/s of one jitted ``x @ w`` at the gate/up shape (median of 20 calls): this machine's XLA:CPU dot rate."""
     import jax
     import jax.numpy as jnp
 
     x, w = jnp.ones((rows, k), jnp.float32), jnp.ones((k, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    f(x, w).block_until_ready()
-    best = min(_timed(lambda: f(x, w).block_until_ready()) for _ in range(20))
-    return 2 * rows * k * n / best
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    return 2 * rows * k * n / median_call_s(jax.jit(lambda a, b: a @ b), x, w)
 
 
 def bench_cell(cell: str, mcfg: dict, reps: int) -> dict:
     from rltpu.config import ModelConfig, SamplerConfig
     from rltpu.models.spec import param_shapes
     from rltpu.sampling.engine import SamplerEngine
-    from tpu_sampler import prompts_for, random_params
 
     engine, rest = cell.split(":")
     mode, rows = rest.split("_b")
